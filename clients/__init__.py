@@ -1,0 +1,1 @@
+"""Clients of the gateway: benchmarks, evaluation, chat."""

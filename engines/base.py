@@ -1,0 +1,156 @@
+"""Engine-neutral request / result types and the Engine and Session protocols.
+
+An engine turns a `GenerationRequest` into text (`generate`, `stream`) and, where it declares the
+``"logits"`` capability, opens token-level `Session`s: ``prefill(ids)`` then ``step(token)``, each
+returning next-token logits from the session's own KV cache, and ``close()`` to free it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+TEXT = "text"
+STREAM = "stream"
+LOGITS = "logits"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the sampler does with next-token logits. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context window
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized prompt plus sampling parameters; the protocol models build it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    extra_stop: tuple[str, ...] = ()  # stop strings the engine adds (fallback chat template)
+
+
+@dataclass
+class TopLogprob:
+    token: str
+    logprob: float
+
+    @property
+    def bytes(self) -> list[int]:
+        return list(self.token.encode("utf-8"))
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> list[int]:
+        return list(self.token.encode("utf-8"))
+
+
+@dataclass
+class Delta:
+    """A piece of one choice's output, as streamed."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Generation:
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def chat_stop(self) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One sequence with its own KV cache. Logits are 1-D float32 tensors over the vocabulary."""
+
+    @property
+    def length(self) -> int: ...
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor: ...
+
+    async def step(self, token: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    capabilities: frozenset[str]
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    def open_session(self) -> Session: ...
+
+    async def generate(self, request: GenerationRequest) -> Generation: ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+
+    @property
+    def active_sessions(self) -> int: ...

@@ -1,0 +1,342 @@
+"""Continuous batching over a Hugging Face causal LM.
+
+Every open sequence (a `BatchedSession`) is one row of a single batched KV cache. Each scheduler
+iteration runs, in a worker thread:
+
+1. one decode forward for every row that has a token waiting (rows without one get a masked padding
+   column, so sequences join, idle and leave between steps without disturbing the others), and
+2. one chunk (``prefill_chunk`` tokens) of at most one waiting prefill, in its own batch-1 cache, so a
+   long prompt delays the running sequences by one chunk per step, not by its whole length.
+
+A finished prefill joins the batch: both caches are left-padded to the same length and concatenated
+along the batch axis (``n`` copies for ``n`` choices share one prefill). Closed rows leave at the next
+iteration; columns that are padding for every remaining row are trimmed. Masks (4-D boolean, with the
+sliding window computed on real positions) and position ids are built here, so padding never shifts
+a row's positions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from engines.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
+
+log = logging.getLogger("chorus.batching")
+
+
+class BatchedSession:
+    """One sequence (one row of the batch); the `Session` protocol over a `BatchRunner`."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self._runner = runner
+        self.length = 0  # real tokens in the cache
+        self.pending: int | None = None
+        self.future: asyncio.Future[torch.Tensor] | None = None
+        self.joined = False
+        self.closed = False
+        runner.sessions.add(self)
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        if self.joined or self.future is not None:
+            raise InvalidRequest("session is already prefilled")
+        return await self._runner.submit_prefill([self], list(ids))
+
+    async def step(self, token: int) -> torch.Tensor:
+        if self.closed:
+            raise EngineFailed("session is closed")
+        if not self.joined:
+            raise InvalidRequest("prefill the session before stepping it")
+        if self.length + 1 > self._runner.max_model_len:
+            raise ContextLengthExceeded(f"session exceeds the context window of {self._runner.max_model_len} tokens")
+        loop = asyncio.get_running_loop()
+        self.future = loop.create_future()
+        self.pending = int(token)
+        self._runner.wake()
+        try:
+            return await self.future
+        finally:
+            self.future = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pending = None
+            self._runner.sessions.discard(self)
+            self._runner.wake()
+
+
+@dataclass
+class _Prefill:
+    sessions: list[BatchedSession]
+    ids: list[int]
+    future: asyncio.Future[torch.Tensor]
+    done: int = 0
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    logits: torch.Tensor | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.done() or all(s.closed for s in self.sessions)
+
+
+class BatchRunner:
+    def __init__(self, model: torch.nn.Module, *, max_model_len: int, max_batch_size: int = 16,
+                 prefill_chunk: int = 256, gather_wait_s: float = 0.004) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_model_len = max_model_len
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.gather_wait_s = gather_wait_s
+        cfg = model.config.get_text_config()
+        self.sliding_window: int | None = getattr(cfg, "sliding_window", None)
+        self.layer_types: list[str] | None = getattr(cfg, "layer_types", None)
+        self._uses_sliding = bool(self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.sessions: set[BatchedSession] = set()
+        self.rows: list[BatchedSession] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (B, T) 1 = real token
+        self.prefills: deque[_Prefill] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_delivered: list[BatchedSession] = []
+        self.steps = 0
+
+    # ---- API used by sessions (event-loop thread) ----
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="chorus-batch-runner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for s in list(self.sessions):
+            s.close()
+        self._fail_all(EngineUnavailable("engine is shutting down"))
+
+    async def submit_prefill(self, sessions: list[BatchedSession], ids: list[int]) -> torch.Tensor:
+        if not ids:
+            raise InvalidRequest("The prompt is empty.", param="prompt")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthExceeded(f"prompt of {len(ids)} tokens exceeds the context window of {self.max_model_len}")
+        if len(sessions) > self.max_batch_size:
+            raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
+        self.start()
+        job = _Prefill(sessions, ids, asyncio.get_running_loop().create_future(), cache=DynamicCache())
+        for s in sessions:
+            s.future = job.future
+        self.prefills.append(job)
+        self.wake()
+        try:
+            return await job.future
+        finally:
+            for s in sessions:
+                s.future = None
+
+    def open_many(self, n: int) -> list[BatchedSession]:
+        return [BatchedSession(self) for _ in range(n)]
+
+    # ---- scheduler ----
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._gather()
+            self._drop_closed()
+            decode = [(i, s, s.pending) for i, s in enumerate(self.rows) if s.pending is not None]
+            job = self._next_prefill()
+            if not decode and job is None:
+                continue
+            try:
+                dec_logits = await asyncio.to_thread(self._forward, [(i, t) for i, _, t in decode], job)
+            except Exception as exc:  # a failed forward ends the requests in it, not the server
+                log.exception("forward failed")
+                err = EngineFailed(f"model forward failed: {exc}")
+                for _, s, _ in decode:
+                    _resolve(s.future, err)
+                if job is not None:
+                    self.prefills.remove(job)
+                    _resolve(job.future, err)
+                self._reset_batch(err)
+                self._wake.set()
+                continue
+            self.steps += 1
+            delivered = []
+            for (row, s, _), logits in zip(decode, dec_logits):
+                s.pending = None
+                s.length += 1
+                if not s.closed:
+                    _resolve(s.future, logits)
+                    delivered.append(s)
+            if job is not None and job.logits is not None:
+                self.prefills.remove(job)
+                if not job.cancelled:
+                    self._join(job)
+                    _resolve(job.future, job.logits)
+                    delivered.extend(job.sessions)
+            self._last_delivered = delivered
+            if self.prefills or delivered or any(s.pending is not None for s in self.rows):
+                self._wake.set()
+
+    async def _gather(self) -> None:
+        """Give the sequences just served a moment to submit their next token, so they share a step."""
+        waiting = self._last_delivered
+        if not waiting:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_wait_s
+        spins = 0
+        while any(s.pending is None and not s.closed for s in waiting):
+            if loop.time() > deadline:
+                break
+            spins += 1
+            await asyncio.sleep(0 if spins < 8 else 0.0005)
+
+    def _next_prefill(self) -> _Prefill | None:
+        while self.prefills and self.prefills[0].cancelled:
+            self.prefills.popleft()
+        if not self.prefills:
+            return None
+        job = self.prefills[0]
+        if job.done == 0 and len(self.rows) + len(job.sessions) > self.max_batch_size:
+            return None  # batch full: wait for a row to leave
+        return job
+
+    # ---- batch bookkeeping (event-loop thread, never during a forward) ----
+    def _join(self, job: _Prefill) -> None:
+        n = len(job.sessions)
+        new_t = job.cache.get_seq_length()
+        new_mask = torch.ones(n, new_t, dtype=torch.long, device=self.device)
+        new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in job.cache.layers]
+        if self.cache is None or self.mask is None or not self.rows:
+            self.cache = _cache_from([(k.contiguous(), v.contiguous()) for k, v in new_layers])
+            self.mask = new_mask
+        else:
+            old_t = self.mask.shape[1]
+            t = max(old_t, new_t)
+            merged = []
+            for layer, (kn, vn) in zip(self.cache.layers, new_layers):
+                merged.append((torch.cat([_lpad(layer.keys, t - old_t), _lpad(kn, t - new_t)], 0),
+                               torch.cat([_lpad(layer.values, t - old_t), _lpad(vn, t - new_t)], 0)))
+            self.cache = _cache_from(merged)
+            self.mask = torch.cat([_lpad(self.mask, t - old_t), _lpad(new_mask, t - new_t)], 0)
+        for s in job.sessions:
+            s.length = new_t
+            s.joined = True
+        self.rows.extend(job.sessions)
+
+    def _drop_closed(self) -> None:
+        keep = [i for i, s in enumerate(self.rows) if not s.closed]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep or self.cache is None or self.mask is None:
+            self.rows, self.cache, self.mask = [], None, None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self.mask.index_select(0, idx)
+        first = int((mask.sum(0) > 0).nonzero()[0])  # leading columns that are padding for every row
+        self.mask = mask[:, first:]
+        self.cache = _cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
+                                  for l in self.cache.layers])
+
+    def _reset_batch(self, err: Exception) -> None:
+        for s in self.rows:
+            _resolve(s.future, err)
+            s.closed = True
+        self.rows, self.cache, self.mask = [], None, None
+
+    def _fail_all(self, err: Exception) -> None:
+        self._reset_batch(err)
+        while self.prefills:
+            _resolve(self.prefills.popleft().future, err)
+
+    # ---- forward passes (worker thread) ----
+    @torch.inference_mode()
+    def _forward(self, decode: list[tuple[int, int]], job: _Prefill | None) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        if decode:
+            assert self.cache is not None and self.mask is not None
+            b = len(self.rows)
+            ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            col = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            rows = torch.tensor([r for r, _ in decode], device=self.device)
+            ids[rows, 0] = torch.tensor([t for _, t in decode], device=self.device)
+            col[rows, 0] = 1
+            mask = torch.cat([self.mask, col], 1)  # (B, T+1)
+            pos = torch.tensor([[s.length] for s in self.rows], device=self.device)  # (B, 1)
+            attn = self._decode_mask(mask, pos)
+            res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                             **{self._cache_kw: self.cache})
+            self.mask = mask
+            logits = res.logits[:, -1, :].float()  # (B, V)
+            out = list(logits.index_select(0, rows).cpu().unbind(0))
+        if job is not None:
+            chunk = job.ids[job.done : job.done + self.prefill_chunk]
+            p, n = job.done, len(chunk)
+            ids = torch.tensor([chunk], device=self.device)  # (1, L)
+            pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
+            q = pos[0].view(n, 1)
+            kv = torch.arange(p + n, device=self.device).view(1, p + n)
+            allowed = kv <= q
+            attn = allowed.view(1, 1, n, p + n)
+            if self._uses_sliding:
+                attn = {"full_attention": attn,
+                        "sliding_attention": (allowed & (kv > q - self.sliding_window)).view(1, 1, n, p + n)}
+            res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: job.cache})
+            job.done += n
+            if job.done == len(job.ids):
+                job.logits = res.logits[0, -1, :].float().cpu()
+        return out
+
+    def _decode_mask(self, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        full = mask.bool()[:, None, None, :]  # (B, 1, 1, T+1)
+        if not self._uses_sliding:
+            return full
+        real_pos = mask.cumsum(1) - 1  # (B, T+1) position of each column's token
+        window = (real_pos > pos - self.sliding_window) & mask.bool()
+        return {"full_attention": full, "sliding_attention": window[:, None, None, :]}
+
+
+def _resolve(fut: asyncio.Future[torch.Tensor] | None, value: torch.Tensor | BaseException) -> None:
+    if fut is None or fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+def _lpad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Left-pad the sequence axis (-2 for (B, H, T, D) caches, -1 for (B, T) masks) with n zeros."""
+    if n == 0:
+        return x
+    if x.dim() == 2:
+        return torch.cat([x.new_zeros(x.shape[0], n), x], 1)
+    b, h, _, d = x.shape
+    return torch.cat([x.new_zeros(b, h, n, d), x], 2)
+
+
+def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for layer_idx, (k, v) in enumerate(layers):
+        cache.update(k[:, :, :0], v[:, :, :0], layer_idx)  # creates the layer without copying data
+        cache.layers[layer_idx].keys = k
+        cache.layers[layer_idx].values = v
+    return cache

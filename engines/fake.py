@@ -1,0 +1,130 @@
+"""A deterministic engine with no model, shipped beside the real one (as httpx ships MockTransport).
+
+`FakeEngine` runs the same decode loop as the transformers engine over scripted logits, so unit tests
+exercise sampling, stop strings, streaming and errors without loading weights. Its tokenizer is
+character level: one token per printable ASCII character, plus ``<eos>``.
+
+The next-token logits of a session are a function of the text so far:
+- with ``script``: the next character of the script is favoured (peak ``sharpness``), then ``<eos>``;
+- without: the next character is the one after the last (``a`` -> ``b``), so outputs are predictable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engines.errors import ContextLengthExceeded, EngineFailed
+from engines.generation import SessionEngine
+
+_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+EOS_TOKEN = "<eos>"
+
+
+class CharTokenizer:
+    """One token per character; unknown characters map to ``?``."""
+
+    def __init__(self) -> None:
+        self.vocab = _CHARS + [EOS_TOKEN]
+        self._ids = {c: i for i, c in enumerate(self.vocab)}
+        self.eos_id = self._ids[EOS_TOKEN]
+        self.eos_token_ids = frozenset({self.eos_id})
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256("\x00".join(self.vocab).encode()).hexdigest()[:16]
+
+    @property
+    def chat_stop(self) -> tuple[str, ...]:
+        return ()
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids.get(c, self._ids["?"]) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if i != self.eos_id)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+        return "\n".join(lines) + "\nassistant:"
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+class FakeSession:
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+        self._ids: list[int] = []
+        self._prompt_len = 0
+        self._closed = False
+        engine._open.add(self)
+
+    @property
+    def length(self) -> int:
+        return len(self._ids)
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self._ids = list(ids)
+        self._prompt_len = len(self._ids)
+        return await self._logits()
+
+    async def step(self, token: int) -> torch.Tensor:
+        self._ids.append(token)
+        return await self._logits()
+
+    def close(self) -> None:
+        self._closed = True
+        self._engine._open.discard(self)
+
+    async def _logits(self) -> torch.Tensor:
+        eng = self._engine
+        if self._closed:
+            raise EngineFailed("session is closed")
+        if len(self._ids) > eng.max_model_len:
+            raise ContextLengthExceeded(f"session exceeds the context window of {eng.max_model_len} tokens")
+        eng.steps += 1
+        if eng.fail_after is not None and eng.steps > eng.fail_after:
+            raise RuntimeError("scripted engine failure")
+        await asyncio.sleep(eng.delay)
+        tok = eng.tokenizer
+        logits = torch.zeros(tok.vocab_size)
+        produced = len(self._ids) - self._prompt_len
+        if eng.script is not None:
+            nxt = tok.encode(eng.script[produced])[0] if produced < len(eng.script) else tok.eos_id
+        else:
+            last = tok.vocab[self._ids[-1]] if self._ids else "a"
+            nxt = tok.encode(chr((ord(last) - 97 + 1) % 26 + 97))[0] if last.isalpha() else tok.encode("a")[0]
+        logits[nxt] = eng.sharpness
+        # a second-best token so sampling at high temperature has something to choose
+        logits[(nxt + 1) % (tok.vocab_size - 1)] = eng.sharpness / 2
+        return logits
+
+
+class FakeEngine(SessionEngine):
+    def __init__(self, name: str = "fake", *, script: str | None = None, delay: float = 0.0,
+                 max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None) -> None:
+        self.name = name
+        self.script = script
+        self.delay = delay
+        self.max_model_len = max_model_len
+        self.sharpness = sharpness
+        self.fail_after = fail_after
+        self.steps = 0
+        self.tokenizer = CharTokenizer()
+        self._open: set[FakeSession] = set()
+
+    def open_session(self) -> FakeSession:
+        return FakeSession(self)
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._open)

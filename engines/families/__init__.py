@@ -1,0 +1,1 @@
+"""Model families served natively (MoE, MoDr, grafting, ...): one module per family."""

@@ -1,0 +1,182 @@
+"""The decode loop shared by every engine that can open token-level sessions.
+
+`SessionEngine` implements `generate()` and `stream()` on top of `open_session()`: one session per
+choice, sampling on the session's logits, stop strings, logprobs, finish reasons. Subclasses only
+provide sessions and a tokenizer (the transformers engine, the fake engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+
+from engines.base import (
+    LOGITS,
+    STREAM,
+    TEXT,
+    Choice,
+    Delta,
+    Generation,
+    GenerationRequest,
+    Session,
+    SamplingParams,
+    TokenLogprob,
+    Tokenizer,
+    TopLogprob,
+)
+from engines.detokenize import TextAssembler
+from engines.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
+from engines.sampling import logprob_info, make_generator, sample
+
+
+def check_context(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
+    """Validate prompt + max_tokens against the context window; return the effective max_tokens."""
+    if prompt_len == 0:
+        raise InvalidRequest("The prompt is empty.", param="prompt")
+    room = max_model_len - prompt_len
+    wanted = params.max_tokens if params.max_tokens is not None else room
+    if room <= 0 or wanted > room:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + wanted} tokens ({prompt_len} in the messages, {wanted} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            param="messages" if params.max_tokens is None else "max_tokens",
+        )
+    return wanted
+
+
+class SessionEngine:
+    """Text generation over token-level sessions; subclasses implement `open_session`."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    capabilities = frozenset({TEXT, STREAM, LOGITS})
+
+    def open_session(self) -> Session:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    @property
+    def active_sessions(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        parts: dict[int, list[Delta]] = {}
+        async for delta in self.stream(request):
+            parts.setdefault(delta.index, []).append(delta)
+        choices = []
+        completion = 0
+        for index in sorted(parts):
+            ds = parts[index]
+            ids = [t for d in ds for t in d.token_ids]
+            completion += len(ids)
+            lps = [lp for d in ds for lp in d.logprobs] if request.params.logprobs else None
+            choices.append(Choice(index, "".join(d.text for d in ds), ids, ds[-1].finish_reason or "stop", lps))
+        return Generation(choices, len(request.prompt_ids), completion)
+
+    async def prefill_sessions(self, prompt_ids: list[int], n: int) -> list[tuple[Session, torch.Tensor]]:
+        """Open ``n`` sessions on one prompt; engines that can share one prefill override this."""
+        opened: list[Session] = []
+        try:
+            out = []
+            for _ in range(n):
+                session = self.open_session()
+                opened.append(session)
+                out.append((session, await session.prefill(prompt_ids)))
+            return out
+        except BaseException:
+            for session in opened:
+                session.close()
+            raise
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        params = request.params
+        max_tokens = check_context(len(request.prompt_ids), params, self.max_model_len)
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+        try:
+            started = await self.prefill_sessions(request.prompt_ids, params.n)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise EngineFailed(f"{self.name}: prefill failed: {exc}") from exc
+        tasks = [
+            asyncio.create_task(self._run_choice(i, session, logits, request, max_tokens, queue))
+            for i, (session, logits) in enumerate(started)
+        ]
+        finished = 0
+        try:
+            while finished < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for session, _ in started:
+                session.close()
+
+    async def _run_choice(self, index: int, session: Session, logits: torch.Tensor, request: GenerationRequest,
+                          max_tokens: int, queue: asyncio.Queue[Delta | BaseException | None]) -> None:
+        try:
+            params = request.params
+            seed = None if params.seed is None else params.seed + index
+            async for delta in decode_loop(session, logits, self.tokenizer, params, max_tokens, index,
+                                           make_generator(seed), request.extra_stop):
+                queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except GatewayError as exc:
+            queue.put_nowait(exc)
+        except Exception as exc:  # an engine fault ends this request only
+            queue.put_nowait(EngineFailed(f"{self.name}: generation failed: {exc}"))
+        finally:
+            session.close()
+
+
+def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    lp, top = logprob_info(logits, token, k)
+    return TokenLogprob(
+        token=tokenizer.decode([token]), token_id=token, logprob=lp,
+        top=[TopLogprob(tokenizer.decode([i]), v) for i, v in top],
+    )
+
+
+async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokenizer, params: SamplingParams,
+                      max_tokens: int, index: int, generator: torch.Generator,
+                      extra_stop: tuple[str, ...] = ()) -> AsyncIterator[Delta]:
+    """Sample up to ``max_tokens`` tokens from a prefilled session, yielding text deltas.
+
+    The last delta carries the finish reason: ``stop`` (EOS or a stop string) or ``length``.
+    """
+    assembler = TextAssembler(tokenizer.decode, tuple(params.stop) + tuple(extra_stop))
+    counts: dict[int, int] = {}
+    for produced in range(1, max_tokens + 1):
+        token = sample(logits, params, generator, counts)
+        counts[token] = counts.get(token, 0) + 1
+        lps = [token_logprob(tokenizer, logits, token, params.top_logprobs)] if params.logprobs else []
+        if token in tokenizer.eos_token_ids and not params.ignore_eos:
+            yield Delta(index, assembler.flush(), [token], lps, "stop")
+            return
+        text = assembler.push(token)
+        if assembler.stopped:
+            yield Delta(index, text, [token], lps, "stop")
+            return
+        if produced == max_tokens:
+            yield Delta(index, text + assembler.flush(), [token], lps, "length")
+            return
+        yield Delta(index, text, [token], lps)
+        logits = await session.step(token)

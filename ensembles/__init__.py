@@ -1,0 +1,1 @@
+"""Strategies over engines (logit averaging, Exchange-of-Thought, crowd voting, mixture-of-agents)."""

@@ -1,0 +1,1 @@
+"""HTTP only: app factory, OpenAI protocol, routes, errors, limits, CLI."""

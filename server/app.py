@@ -1,0 +1,64 @@
+"""The app factory: config -> engines (loaded at start-up) -> FastAPI app."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engines.base import Engine
+from engines.spec import ModelSpec
+from server import errors
+from server.config import ChorusConfig
+from server.limits import BodyLimit
+from server.routes import router
+
+log = logging.getLogger("chorus.server")
+
+__version__ = "0.1.0"
+
+
+def build_engine(spec: ModelSpec) -> Engine:
+    """Engines by kind; imports stay lazy so a fake-only config never imports transformers."""
+    if spec.engine == "fake":
+        from engines.fake import FakeEngine
+
+        return FakeEngine(spec.name, **spec.fake)
+    from engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine.load(spec)
+
+
+def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
+               engine_factory: Callable[[ModelSpec], Engine] = build_engine) -> FastAPI:
+    """Build the gateway. ``engines`` injects ready engines (tests); otherwise each model is loaded at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loaded = dict(engines) if engines is not None else {}
+        if engines is None:
+            for spec in config.models:
+                t0 = time.perf_counter()
+                loaded[spec.name] = engine_factory(spec)
+                log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
+        for engine in loaded.values():
+            await engine.start()
+        app.state.engines = loaded
+        try:
+            yield
+        finally:
+            for engine in loaded.values():
+                await engine.aclose()
+
+    app = FastAPI(title="chorus", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible gateway with ensemble and routing backends")
+    app.state.config = config
+    app.state.started = int(time.time())
+    app.state.engines = {}
+    errors.install(app)
+    app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
+    return app

@@ -1,0 +1,124 @@
+"""The ``chorus`` command: serve, models prepare / list, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.config import ConfigError, Settings, load_config
+
+
+def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        sys.exit(f"chorus: {exc}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engines.prepare import prepare_model
+    from server.app import create_app
+
+    config = _config(args)
+    env = Settings()
+    host = args.host or env.host or config.server.host
+    port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
+    if not args.no_prepare:
+        for spec in config.models:
+            prepare_model(spec)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    print(f"chorus: serving {', '.join(m.name for m in config.models)} on http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    from engines.errors import GatewayError
+    from engines.prepare import prepare_model
+
+    config = _config(args)
+    names = args.names or [m.name for m in config.models]
+    known = {m.name for m in config.models}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"chorus: unknown model(s) {', '.join(unknown)}; the config has: {', '.join(sorted(known))}")
+    failed = 0
+    for name in names:
+        try:
+            prepare_model(config.model(name), force=args.force)
+        except GatewayError as exc:
+            print(f"{name}: FAILED: {exc.message}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from engines.prepare import is_prepared
+    from engines.spec import chorus_home
+
+    config = _config(args)
+    home = chorus_home()
+    print(f"{'name':28} {'engine':12} {'device':7} {'state':12} location")
+    for m in config.models:
+        d = m.checkpoint_dir(home)
+        if m.engine == "fake":
+            state = "built-in"
+        elif m.needs_prepare:
+            state = "prepared" if is_prepared(d) else "not prepared"
+        else:
+            state = "local" if (d / "config.json").is_file() else "missing"
+        print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {d if m.engine != 'fake' else '-'}")
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from clients.bench_engine import main as bench
+
+    return bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chorus", description="OpenAI-compatible LLM gateway with ensembles")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", help="config YAML (default: $CHORUS_CONFIG or the packaged default)")
+        return sp
+
+    s = with_config(sub.add_parser("serve", help="run the gateway"))
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--no-prepare", action="store_true", help="fail instead of preparing missing models")
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="prepare and list models").add_subparsers(dest="models_cmd", required=True)
+    mp = with_config(m.add_parser("prepare", help="convert packaged / GGUF models into the cache"))
+    mp.add_argument("names", nargs="*", help="models to prepare (default: all in the config)")
+    mp.add_argument("--force", action="store_true", help="rebuild even when prepared")
+    mp.set_defaults(func=cmd_models_prepare)
+    ml = with_config(m.add_parser("list", help="models in the config and their state"))
+    ml.set_defaults(func=cmd_models_list)
+
+    b = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(dest="bench_cmd", required=True)
+    be = with_config(b.add_parser("engine", help="decode throughput: chorus engine vs model.generate()"))
+    be.add_argument("--model", default="smollm2-135m-instruct")
+    be.add_argument("--tokens", type=int, default=128)
+    be.add_argument("--concurrency", type=int, default=8)
+    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--skip-transformers-serve", action="store_true")
+    be.set_defaults(func=cmd_bench_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

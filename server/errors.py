@@ -1,0 +1,67 @@
+"""The one place where exceptions become OpenAI error envelopes."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.errors import GatewayError
+
+log = logging.getLogger("chorus.errors")
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded"}
+
+
+def envelope(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_param(loc: tuple[object, ...]) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not str(p).startswith(("function-", "literal[", "str", "list[", "int", "union[")):
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("request failed: %s", exc.message)
+        return envelope(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return envelope(400, "We could not parse the JSON body of your request: it is not valid JSON.",
+                            "invalid_request_error", None, "invalid_json")
+        param = validation_param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid request")
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        text = f"Invalid value for '{param}': {msg}{more}" if param else f"Invalid request: {msg}{more}"
+        return envelope(400, text, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return envelope(exc.status_code, str(exc.detail), _HTTP_TYPES.get(exc.status_code, "server_error"),
+                        None, code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return envelope(500, "The server had an error while processing your request.", "server_error")

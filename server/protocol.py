@@ -1,0 +1,197 @@
+"""OpenAI request and response models; requests convert themselves into `GenerationRequest`s."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.base import Choice, Delta, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from engines.errors import InvalidRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and text completions. Unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, description="extension (as vLLM): 0 or -1 = off")
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            n=self.n,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        return self
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = ()) -> GenerationRequest:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        params = self._params(max_tokens, self.logprobs, self.top_logprobs or 0)
+        return GenerationRequest(prompt_ids, params, extra_stop=extra_stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.suffix:
+            raise InvalidRequest("'suffix' (fill-in-the-middle) is not supported.", param="suffix")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidRequest("'prompt' must not be empty.", param="prompt")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (a string, or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
+        lp = self.logprobs is not None
+        return GenerationRequest(prompt_ids, self._params(self.max_tokens, lp, self.logprobs or 0))
+
+
+# ---- responses ----
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    return {"content": [
+        {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top]}
+        for lp in lps]}
+
+
+def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    offsets, pos = [], offset
+    for lp in lps:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps], "text_offset": offsets}
+
+
+class ResponseHead:
+    """id / created / model / system_fingerprint, the same on every chunk of one response."""
+
+    def __init__(self, prefix: str, model: str, fingerprint: str) -> None:
+        self.id = new_id(prefix)
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+
+    def base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+
+def chat_response(head: ResponseHead, gen: Generation) -> dict[str, Any]:
+    def choice(c: Choice) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+
+    return {**head.base("chat.completion"), "choices": [choice(c) for c in gen.choices],
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens)}
+
+
+def chat_chunk(head: ResponseHead, delta: Delta | None, *, role: bool = False, index: int = 0,
+               logprobs: bool = False) -> dict[str, Any]:
+    if delta is None:  # the opening chunk that carries the role
+        body: dict[str, Any] = {"role": "assistant", "content": ""}
+        ch = {"index": index, "delta": body, "logprobs": None, "finish_reason": None}
+    else:
+        body = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+        ch = {"index": delta.index, "delta": body,
+              "logprobs": chat_logprobs(delta.logprobs) if logprobs else None,
+              "finish_reason": delta.finish_reason}
+    return {**head.base("chat.completion.chunk"), "choices": [ch]}
+
+
+def completion_response(head: ResponseHead, choices: list[dict[str, Any]], prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    return {**head.base("text_completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,43 @@
+"""Unit fixtures: the gateway over fake engines, behind a real HTTP server, with the openai SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from engines.fake import FakeEngine
+from server.app import create_app
+from server.config import ChorusConfig
+from tests.conftest import LiveServer
+
+
+def fake_config(max_body_bytes: int = 64 * 1024) -> ChorusConfig:
+    return ChorusConfig.model_validate({
+        "server": {"limits": {"max_body_bytes": max_body_bytes, "max_n": 8}},
+        "models": [{"name": "fake", "engine": "fake"}, {"name": "scripted", "engine": "fake"},
+                   {"name": "slow", "engine": "fake"}, {"name": "broken", "engine": "fake"}],
+    })
+
+
+@pytest.fixture(scope="module")
+def fakes() -> dict[str, FakeEngine]:
+    return {
+        "fake": FakeEngine("fake", max_model_len=64),
+        "scripted": FakeEngine("scripted", script="Hello there. STOP here."),
+        "slow": FakeEngine("slow", delay=0.02, max_model_len=10_000),
+        "broken": FakeEngine("broken", script="abcdefghijklmnop", fail_after=5),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
+    srv = LiveServer(create_app(fake_config(), engines=dict(fakes))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -1,0 +1,51 @@
+import torch
+
+from engines.base import SamplingParams
+from engines.sampling import apply_penalties, filter_logits, logprob_info, make_generator, sample
+
+logits = torch.tensor([1.0, 3.0, 2.0, 0.5, -1.0])
+
+
+def draws(params: SamplingParams, seed: int, k: int = 50) -> list[int]:
+    g = make_generator(seed)
+    return [sample(logits, params, g) for _ in range(k)]
+
+
+def test_greedy_takes_argmax() -> None:
+    assert sample(logits, SamplingParams(temperature=0), make_generator(0)) == 1
+
+
+def test_same_seed_same_draws_other_seed_other_draws() -> None:
+    p = SamplingParams(temperature=1.5)
+    assert draws(p, 7) == draws(p, 7)
+    assert draws(p, 7) != draws(p, 8)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    assert set(draws(SamplingParams(top_k=1), 1)) == {1}
+    assert set(draws(SamplingParams(top_p=0.01), 1)) == {1}
+
+
+def test_top_k_limits_support() -> None:
+    assert set(draws(SamplingParams(temperature=2.0, top_k=2), 3, 200)) <= {1, 2}
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    probs = torch.softmax(logits, -1)  # sorted: 1 (.63), 2 (.23), 0 (.09), ...
+    x = filter_logits(logits, SamplingParams(top_p=0.8))
+    kept = {i for i in range(5) if x[i] > float("-inf")}
+    assert kept == {1, 2}
+    assert probs[1] < 0.8 <= probs[1] + probs[2]
+
+
+def test_penalties_lower_repeated_tokens() -> None:
+    out = apply_penalties(logits, {1: 3}, SamplingParams(frequency_penalty=1.0, presence_penalty=0.5))
+    assert float(out[1]) == 3.0 - 3.0 - 0.5
+    assert torch.equal(out[[0, 2, 3, 4]], logits[[0, 2, 3, 4]])
+
+
+def test_logprobs_are_of_the_model_distribution() -> None:
+    lp, top = logprob_info(logits, 2, 2)
+    ref = torch.log_softmax(logits, -1)
+    assert abs(lp - float(ref[2])) < 1e-6
+    assert [i for i, _ in top] == [1, 2]
