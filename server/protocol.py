@@ -46,6 +46,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
     user: str | None = None
+    ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
 
     @field_validator("stop")
     @classmethod
@@ -72,6 +73,7 @@ class _Sampling(BaseModel):
             top_logprobs=top_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos,
         )
 
 

@@ -1,0 +1,50 @@
+"""Integration fixtures: the real default models, prepared once, behind one live server per session."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import openai
+import pytest
+import torch
+
+from engines.prepare import prepare_model
+from engines.transformers_engine import TransformersEngine
+from server.app import create_app
+from server.config import ChorusConfig, load_config
+from tests.conftest import LiveServer
+
+SMOL = "smollm2-135m-instruct"
+GEMMA = "gemma-3-270m"
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def default_config() -> ChorusConfig:
+    torch.set_num_threads(2)
+    config = load_config(None)
+    for spec in config.models:
+        prepare_model(spec)  # idempotent: `make test` has already prepared them
+    return config
+
+
+@pytest.fixture(scope="session")
+def real_server(default_config: ChorusConfig) -> Iterator[LiveServer]:
+    srv = LiveServer(create_app(default_config)).start(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def sdk(real_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+async def smol_engine(default_config: ChorusConfig) -> AsyncIterator[TransformersEngine]:
+    """A second, in-test-loop instance of smollm2 for engine-level equivalence tests."""
+    engine = TransformersEngine.load(default_config.model(SMOL))
+    await engine.start()
+    yield engine
+    await engine.aclose()
