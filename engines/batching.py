@@ -5,8 +5,10 @@ iteration runs, in a worker thread:
 
 1. one decode forward for every row that has a token waiting (rows without one get a masked padding
    column, so sequences join, idle and leave between steps without disturbing the others), and
-2. one chunk (``prefill_chunk`` tokens) of at most one waiting prefill, in its own batch-1 cache, so a
-   long prompt delays the running sequences by one chunk per step, not by its whole length.
+2. prefill work of at most ``prefill_chunk`` tokens: either several waiting prompts together in one
+   right-padded forward (a burst of requests gets its first tokens at once), or one chunk of a prompt
+   longer than that (chunked prefill: a long prompt delays the running sequences by one chunk per
+   step, not by its whole length).
 
 A finished prefill joins the batch: both caches are left-padded to the same length and concatenated
 along the batch axis (``n`` copies for ``n`` choices share one prefill). Closed rows leave at the next
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from engines.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 
@@ -79,7 +82,7 @@ class _Prefill:
     ids: list[int]
     future: asyncio.Future[torch.Tensor]
     done: int = 0
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache = field(default_factory=lambda: GrowingCache())
     logits: torch.Tensor | None = None
 
     @property
@@ -89,7 +92,7 @@ class _Prefill:
 
 class BatchRunner:
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, max_batch_size: int = 16,
-                 prefill_chunk: int = 256, gather_wait_s: float = 0.004) -> None:
+                 prefill_chunk: int = 512, gather_wait_s: float = 0.004) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
@@ -137,7 +140,7 @@ class BatchRunner:
         if len(sessions) > self.max_batch_size:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()
-        job = _Prefill(sessions, ids, asyncio.get_running_loop().create_future(), cache=DynamicCache())
+        job = _Prefill(sessions, ids, asyncio.get_running_loop().create_future(), cache=GrowingCache())
         for s in sessions:
             s.future = job.future
         self.prefills.append(job)
@@ -159,18 +162,19 @@ class BatchRunner:
             await self._gather()
             self._drop_closed()
             decode = [(i, s, s.pending) for i, s in enumerate(self.rows) if s.pending is not None]
-            job = self._next_prefill()
-            if not decode and job is None:
+            jobs = self._next_prefills()
+            if not decode and not jobs:
                 continue
             try:
-                dec_logits = await asyncio.to_thread(self._forward, [(i, t) for i, _, t in decode], job)
+                dec_logits = await asyncio.to_thread(self._forward, [(i, t) for i, _, t in decode], jobs)
             except Exception as exc:  # a failed forward ends the requests in it, not the server
                 log.exception("forward failed")
                 err = EngineFailed(f"model forward failed: {exc}")
                 for _, s, _ in decode:
                     _resolve(s.future, err)
-                if job is not None:
-                    self.prefills.remove(job)
+                for job, _ in jobs:
+                    if job in self.prefills:
+                        self.prefills.remove(job)
                     _resolve(job.future, err)
                 self._reset_batch(err)
                 self._wake.set()
@@ -183,7 +187,9 @@ class BatchRunner:
                 if not s.closed:
                     _resolve(s.future, logits)
                     delivered.append(s)
-            if job is not None and job.logits is not None:
+            for job, _ in jobs:
+                if job.logits is None:
+                    continue
                 self.prefills.remove(job)
                 if not job.cancelled:
                     self._join(job)
@@ -207,15 +213,30 @@ class BatchRunner:
             spins += 1
             await asyncio.sleep(0 if spins < 8 else 0.0005)
 
-    def _next_prefill(self) -> _Prefill | None:
-        while self.prefills and self.prefills[0].cancelled:
-            self.prefills.popleft()
-        if not self.prefills:
-            return None
-        job = self.prefills[0]
-        if job.done == 0 and len(self.rows) + len(job.sessions) > self.max_batch_size:
-            return None  # batch full: wait for a row to leave
-        return job
+    def _next_prefills(self) -> list[tuple[_Prefill, int]]:
+        """Prefill work for this step, at most ``prefill_chunk`` tokens (padding included).
+
+        Either several whole prompts that fit together (one padded forward), or one chunk of a
+        prompt too long for the budget (chunked prefill, one chunk per step).
+        """
+        for job in [j for j in self.prefills if j.cancelled]:
+            self.prefills.remove(job)
+        budget, rows, longest = self.prefill_chunk, len(self.rows), 0
+        out: list[tuple[_Prefill, int]] = []
+        for job in self.prefills:
+            remaining = len(job.ids) - job.done
+            if rows + len(job.sessions) > self.max_batch_size:
+                break  # batch full: wait for a row to leave
+            if job.done > 0 or remaining > budget:  # needs chunking: alone in its step
+                if not out:
+                    out.append((job, min(budget, remaining)))
+                break
+            longest = max(longest, remaining)
+            if (len(out) + 1) * longest > budget:
+                break
+            out.append((job, remaining))
+            rows += len(job.sessions)
+        return out
 
     # ---- batch bookkeeping (event-loop thread, never during a forward) ----
     def _join(self, job: _Prefill) -> None:
@@ -268,7 +289,7 @@ class BatchRunner:
 
     # ---- forward passes (worker thread) ----
     @torch.inference_mode()
-    def _forward(self, decode: list[tuple[int, int]], job: _Prefill | None) -> list[torch.Tensor]:
+    def _forward(self, decode: list[tuple[int, int]], jobs: list[tuple[_Prefill, int]]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         if decode:
             assert self.cache is not None and self.mask is not None
@@ -286,24 +307,55 @@ class BatchRunner:
             self.mask = mask
             logits = res.logits[:, -1, :].float()  # (B, V)
             out = list(logits.index_select(0, rows).cpu().unbind(0))
-        if job is not None:
-            chunk = job.ids[job.done : job.done + self.prefill_chunk]
-            p, n = job.done, len(chunk)
-            ids = torch.tensor([chunk], device=self.device)  # (1, L)
-            pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
-            q = pos[0].view(n, 1)
-            kv = torch.arange(p + n, device=self.device).view(1, p + n)
-            allowed = kv <= q
-            attn = allowed.view(1, 1, n, p + n)
-            if self._uses_sliding:
-                attn = {"full_attention": attn,
-                        "sliding_attention": (allowed & (kv > q - self.sliding_window)).view(1, 1, n, p + n)}
-            res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: job.cache})
-            job.done += n
-            if job.done == len(job.ids):
-                job.logits = res.logits[0, -1, :].float().cpu()
+        if len(jobs) == 1:
+            self._prefill_chunk(*jobs[0])
+        elif jobs:
+            self._prefill_group([job for job, _ in jobs])
         return out
+
+    def _prefill_chunk(self, job: _Prefill, n: int) -> None:
+        p = job.done
+        ids = torch.tensor([job.ids[p : p + n]], device=self.device)  # (1, L)
+        pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
+        q = pos[0].view(n, 1)
+        kv = torch.arange(p + n, device=self.device).view(1, p + n)
+        allowed = kv <= q  # (L, P+L) causal
+        attn: torch.Tensor | dict[str, torch.Tensor] = allowed.view(1, 1, n, p + n)
+        if self._uses_sliding:
+            attn = {"full_attention": allowed.view(1, 1, n, p + n),
+                    "sliding_attention": (allowed & (kv > q - self.sliding_window)).view(1, 1, n, p + n)}
+        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: job.cache})
+        job.done += n
+        if job.done == len(job.ids):
+            job.logits = res.logits[0, -1, :].float().cpu()
+
+    def _prefill_group(self, jobs: list[_Prefill]) -> None:
+        """Several whole prompts in one right-padded forward; each then gets its own trimmed cache."""
+        lens = torch.tensor([len(j.ids) for j in jobs], device=self.device)
+        j, t = len(jobs), int(lens.max())
+        ids = torch.zeros(j, t, dtype=torch.long, device=self.device)
+        for row, job in enumerate(jobs):
+            ids[row, : len(job.ids)] = torch.tensor(job.ids, device=self.device)
+        ar = torch.arange(t, device=self.device)
+        pos = ar.unsqueeze(0).expand(j, t)  # (J, T)
+        causal = ar.view(1, t, 1) >= ar.view(1, 1, t)  # (1, Tq, Tk)
+        valid = (ar.view(1, t) < lens.view(j, 1)).view(j, 1, t)  # (J, 1, Tk) real keys
+        full = (causal & valid).view(j, 1, t, t)
+        attn: torch.Tensor | dict[str, torch.Tensor] = full
+        if self._uses_sliding:
+            near = (ar.view(1, 1, t) > ar.view(1, t, 1) - self.sliding_window).view(1, 1, t, t)
+            attn = {"full_attention": full, "sliding_attention": full & near}
+        last = sorted({int(n) - 1 for n in lens})
+        cache = GrowingCache()
+        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=torch.tensor(last, device=self.device), **{self._cache_kw: cache})
+        for row, job in enumerate(jobs):
+            n = len(job.ids)
+            job.logits = res.logits[row, last.index(n - 1), :].float().cpu()
+            job.cache = _cache_from([(l.keys[row : row + 1, :, :n].clone(), l.values[row : row + 1, :, :n].clone())
+                                     for l in cache.layers])
+            job.done = n
 
     def _decode_mask(self, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         full = mask.bool()[:, None, None, :]  # (B, 1, 1, T+1)
@@ -333,10 +385,52 @@ def _lpad(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(b, h, n, d), x], 2)
 
 
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = DynamicCache()
-    for layer_idx, (k, v) in enumerate(layers):
-        cache.update(k[:, :, :0], v[:, :, :0], layer_idx)  # creates the layer without copying data
-        cache.layers[layer_idx].keys = k
-        cache.layers[layer_idx].values = v
-    return cache
+class GrowingLayer(DynamicLayer):
+    """A cache layer whose keys / values are views into buffers with spare room.
+
+    `DynamicLayer` concatenates on every update, copying the whole cache each decode step; here an
+    append writes in place and the buffer doubles when full.
+    """
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if keys is not None and values is not None:
+            self._adopt(keys, values, room=64)
+
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        b, h, t, d = keys.shape  # (B, H, T, D)
+        self._k = keys.new_empty(b, h, t + room, d)
+        self._v = values.new_empty(b, h, t + room, values.shape[-1])
+        self._k[:, :, :t] = keys
+        self._v[:, :, :t] = values
+        self._t = t
+        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self._adopt(key_states, value_states, room=64)
+            return self.keys, self.values
+        t = self._t + key_states.shape[-2]
+        if t > self._k.shape[2]:
+            self._adopt(self.keys, self.values, room=max(64, t))
+        self._k[:, :, self._t : t] = key_states
+        self._v[:, :, self._t : t] = value_states
+        self._t = t
+        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+        return self.keys, self.values
+
+
+class GrowingCache(DynamicCache):
+    """A `DynamicCache` made of `GrowingLayer`s (full attention on every layer; chorus builds the masks)."""
+
+    def __init__(self, layers: list[GrowingLayer] | None = None) -> None:
+        if layers is None:
+            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        else:
+            Cache.__init__(self, layers=layers)
+
+
+def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:
+    return GrowingCache([GrowingLayer(k, v) for k, v in layers])

@@ -68,6 +68,9 @@ class SessionEngine:
     def active_sessions(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def stats(self) -> dict[str, int]:
+        return {"active_sessions": self.active_sessions}
+
     async def generate(self, request: GenerationRequest) -> Generation:
         parts: dict[int, list[Delta]] = {}
         async for delta in self.stream(request):

@@ -28,7 +28,7 @@ class ModelSpec(BaseModel):
     #: context window served; default: the model's own, capped at 4096 on CPU
     max_model_len: int | None = Field(default=None, ge=16)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
-    prefill_chunk: int = Field(default=256, ge=8)
+    prefill_chunk: int = Field(default=512, ge=8)
     #: a Jinja chat template that replaces the tokenizer's own
     chat_template: str | None = None
     description: str = ""

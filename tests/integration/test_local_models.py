@@ -1,0 +1,39 @@
+"""Models from local paths: a Hugging Face checkpoint directory, and a GGUF file prepared on demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from engines.prepare import is_prepared, prepare_model
+from engines.sources import smollm2_gguf
+from engines.spec import ModelSpec
+from server.app import create_app
+from server.config import ChorusConfig
+from tests.conftest import LiveServer
+from tests.integration.conftest import SMOL
+
+pytestmark = pytest.mark.integration
+
+
+def test_local_checkpoint_and_gguf(default_config: ChorusConfig, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    hf_dir = default_config.model(SMOL).prepared_dir()
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path))  # the GGUF is prepared into a fresh cache
+    gguf_spec = ModelSpec(name="my-gguf", path=str(smollm2_gguf(tmp_path)))
+    lines: list[str] = []
+    prepare_model(gguf_spec, log=lines.append)
+    assert is_prepared(gguf_spec.prepared_dir()) and any("[4/4]" in ln for ln in lines)
+    config = ChorusConfig.model_validate({"models": [{"name": "my-dir", "path": str(hf_dir)},
+                                                     gguf_spec.model_dump(exclude_none=True)]})
+    srv = LiveServer(create_app(config)).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        answers = [client.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=12).choices[0].message.content for m in ("my-dir", "my-gguf")]
+        assert answers[0] == answers[1] and "Paris" in answers[0]
+    finally:
+        srv.stop()

