@@ -4,10 +4,11 @@ In one run, same model, threads and dtype, each figure the best of ``--rounds`` 
 is shared and noisy; the best round is the least disturbed one):
 
 1. in-process: batch-1 decode tokens/s of chorus's engine vs plain ``model.generate()``, and the
-   aggregate tokens/s of ``--concurrency`` concurrent streams on the engine;
-2. over HTTP (a ``chorus serve`` subprocess, streaming SSE clients): 1 stream vs ``--concurrency``
-   streams, with time to first token;
-3. the same HTTP load against ``transformers serve --continuous-batching`` on the same checkpoint.
+   aggregate tokens/s of ``--concurrency`` concurrent streams on the engine (rounds interleaved);
+2. over HTTP, streaming SSE clients against a ``chorus serve`` subprocess and a
+   ``transformers serve --continuous-batching`` subprocess on the same checkpoint, both up at once
+   and the rounds alternating between them: 1 stream vs ``--concurrency`` streams, with time to
+   first token.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +43,6 @@ class Row:
     name: str
     res: Result
     ratio: str
-
-
-def _best(rounds: int, run: Callable[[], Result]) -> Result:
-    return max((run() for _ in range(rounds)), key=lambda r: r.tok_s)
 
 
 def _free_port() -> int:
@@ -92,9 +88,12 @@ def _in_process(spec, tokens: int, concurrency: int, rounds: int) -> list[Row]: 
 
         await streams(1)  # warm-up
         generate()
-        ref = _best(rounds, generate)
-        b1 = max([await streams(1) for _ in range(rounds)], key=lambda r: r.tok_s)
-        bn = max([await streams(concurrency) for _ in range(rounds)], key=lambda r: r.tok_s)
+        refs, b1s, bns = [], [], []
+        for _ in range(rounds):  # interleaved, so drift in machine load hits all three alike
+            refs.append(generate())
+            b1s.append(await streams(1))
+            bns.append(await streams(concurrency))
+        ref, b1, bn = (max(rs, key=lambda r: r.tok_s) for rs in (refs, b1s, bns))
         await engine.aclose()
         return [Row("model.generate(), batch 1", ref, "1.00x"),
                 Row("chorus engine, 1 stream", b1, f"{b1.tok_s / ref.tok_s:.2f}x vs generate()"),
@@ -151,24 +150,56 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError("server did not become ready")
 
 
-def _server_rows(label: str, cmd: list[str], port: int, model: str, extra: dict, args: argparse.Namespace,
-                 env: dict[str, str], log: Path) -> list[Row]:
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_ready(url, proc)
-            _http_load(url, model, 4, 1, extra)  # warm-up
-            one = _best(args.rounds, lambda: _http_load(url, model, args.tokens, 1, extra))
-            many = _best(args.rounds, lambda: _http_load(url, model, args.tokens, args.concurrency, extra))
-        finally:
-            proc.terminate()
+@dataclass
+class Server:
+    label: str
+    cmd: list[str]
+    port: int
+    model: str
+    extra: dict
+    log: Path
+    proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, str]) -> list[Row]:
+    """Both servers run at once (idle, each uses no CPU); rounds alternate between them."""
+    try:
+        for srv in servers:
+            srv.proc = subprocess.Popen(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
+        ready = []
+        for srv in servers:
             try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return [Row(f"{label}, 1 stream", one, "1.00x"),
-            Row(f"{label}, {args.concurrency} streams (aggregate)", many, f"{many.tok_s / one.tok_s:.2f}x vs 1 stream")]
+                _wait_ready(srv.url, srv.proc)  # type: ignore[arg-type]
+                _http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
+                ready.append(srv)
+            except Exception as exc:  # noqa: BLE001 - the table says which rows are missing
+                print(f"{srv.label} failed: {exc}\n{srv.log.read_text()[-1500:]}", file=sys.stderr)
+        results: dict[tuple[str, int], list[Result]] = {}
+        for _ in range(args.rounds):
+            for k in (1, args.concurrency):
+                for srv in ready:
+                    results.setdefault((srv.label, k), []).append(
+                        _http_load(srv.url, srv.model, args.tokens, k, srv.extra))
+    finally:
+        for srv in servers:
+            if srv.proc is not None:
+                srv.proc.terminate()
+                try:
+                    srv.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    srv.proc.kill()
+    rows = []
+    for srv in ready:
+        one = max(results[(srv.label, 1)], key=lambda r: r.tok_s)
+        many = max(results[(srv.label, args.concurrency)], key=lambda r: r.tok_s)
+        rows += [Row(f"{srv.label}, 1 stream", one, "1.00x"),
+                 Row(f"{srv.label}, {args.concurrency} streams (aggregate)", many,
+                     f"{many.tok_s / one.tok_s:.2f}x vs 1 stream")]
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:
@@ -189,24 +220,20 @@ def main(args: argparse.Namespace) -> int:
         cfg = Path(tmp) / "bench.yaml"
         cfg.write_text(json.dumps({"models": [spec.model_dump(exclude_none=True)]}))
         port = _free_port()
-        rows += _server_rows("chorus serve", [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg),
-                                              "--port", str(port), "--no-prepare", "--log-level", "warning"],
-                             port, spec.name, {"ignore_eos": True, "stream_options": {"include_usage": True}},
-                             args, env, Path(tmp) / "chorus.log")
+        servers = [Server("chorus serve", [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg),
+                                           "--port", str(port), "--no-prepare", "--log-level", "warning"],
+                          port, spec.name, {"ignore_eos": True, "stream_options": {"include_usage": True}},
+                          Path(tmp) / "chorus.log")]
         if not args.skip_transformers_serve:
             port = _free_port()
-            exe = Path(sys.executable).with_name("transformers")
             # it rejects ignore_eos and stream_options; a generation_config forces the same length
             gen = {"generation_config": json.dumps({"min_new_tokens": args.tokens, "max_new_tokens": args.tokens,
                                                     "do_sample": False})}
-            try:
-                rows += _server_rows("transformers serve --continuous-batching",
-                                     [str(exe), "serve", str(path), "--continuous-batching", "--device", "cpu",
-                                      "--dtype", "float32", "--port", str(port)], port, str(path), gen, args, env,
-                                     Path(tmp) / "tserve.log")
-            except Exception as exc:  # noqa: BLE001 - the table says why the rows are missing
-                print(f"transformers serve failed: {exc}\n{(Path(tmp) / 'tserve.log').read_text()[-1500:]}",
-                      file=sys.stderr)
+            servers.append(Server("transformers serve --continuous-batching",
+                                  [str(Path(sys.executable).with_name("transformers")), "serve", str(path),
+                                   "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+                                   "--port", str(port)], port, str(path), gen, Path(tmp) / "tserve.log"))
+        rows += _http_rows(servers, args, env)
     print()
     print("| run | tokens/s | ratio | TTFT p50 (s) | TTFT max (s) | tokens |")
     print("|---|---:|---|---:|---:|---:|")

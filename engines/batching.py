@@ -23,6 +23,7 @@ import asyncio
 import inspect
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -114,12 +115,17 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._last_delivered: list[BatchedSession] = []
         self.steps = 0
+        # One dedicated thread runs every forward: torch's OpenMP team stays bound to it, instead of
+        # each pool thread spinning up its own team that competes for the same cores.
+        self._executor: ThreadPoolExecutor | None = None
 
     # ---- API used by sessions (event-loop thread) ----
     def wake(self) -> None:
         self._wake.set()
 
     def start(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-forward")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="chorus-batch-runner")
 
@@ -131,6 +137,9 @@ class BatchRunner:
         for s in list(self.sessions):
             s.close()
         self._fail_all(EngineUnavailable("engine is shutting down"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     async def submit_prefill(self, sessions: list[BatchedSession], ids: list[int]) -> torch.Tensor:
         if not ids:
@@ -166,7 +175,8 @@ class BatchRunner:
             if not decode and not jobs:
                 continue
             try:
-                dec_logits = await asyncio.to_thread(self._forward, [(i, t) for i, _, t in decode], jobs)
+                dec_logits = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._forward, [(i, t) for i, _, t in decode], jobs)
             except Exception as exc:  # a failed forward ends the requests in it, not the server
                 log.exception("forward failed")
                 err = EngineFailed(f"model forward failed: {exc}")
