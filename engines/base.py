@@ -141,6 +141,8 @@ class Engine(Protocol):
     capabilities: frozenset[str]
     tokenizer: Tokenizer
     max_model_len: int
+    #: temperature / top_p / top_k for requests that leave them out
+    sampling_defaults: dict[str, float]
 
     async def start(self) -> None: ...
 

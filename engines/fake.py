@@ -111,8 +111,10 @@ class FakeSession:
 
 class FakeEngine(SessionEngine):
     def __init__(self, name: str = "fake", *, script: str | None = None, delay: float = 0.0,
-                 max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None) -> None:
+                 max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None,
+                 sampling_defaults: dict[str, float] | None = None) -> None:
         self.name = name
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.script = script
         self.delay = delay
         self.max_model_len = max_model_len

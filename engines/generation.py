@@ -54,6 +54,7 @@ class SessionEngine:
     tokenizer: Tokenizer
     max_model_len: int
     capabilities = frozenset({TEXT, STREAM, LOGITS})
+    sampling_defaults: dict[str, float] = {}
 
     def open_session(self) -> Session:  # pragma: no cover - abstract
         raise NotImplementedError

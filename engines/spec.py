@@ -14,6 +14,16 @@ def chorus_home() -> Path:
     return Path(os.environ.get("CHORUS_HOME") or Path.home() / ".cache" / "chorus").expanduser()
 
 
+class SamplingDefaults(BaseModel):
+    """Used when a request leaves a parameter out (as vLLM uses a model's generation_config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -31,6 +41,8 @@ class ModelSpec(BaseModel):
     prefill_chunk: int = Field(default=512, ge=8)
     #: a Jinja chat template that replaces the tokenizer's own
     chat_template: str | None = None
+    #: sampling parameters for requests that leave them out (OpenAI's defaults otherwise)
+    sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     description: str = ""
     #: options for ``engine: fake`` (script, delay, max_model_len)
     fake: dict[str, Any] = Field(default_factory=dict)

@@ -25,6 +25,7 @@ class TransformersEngine(SessionEngine):
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
+        self.sampling_defaults = spec.sampling_defaults.model_dump(exclude_none=True)
         native = int(getattr(model.config.get_text_config(), "max_position_embeddings", CPU_CONTEXT_CAP))
         default = native if spec.device != "cpu" else min(native, CPU_CONTEXT_CAP)
         self.max_model_len = min(spec.max_model_len or default, native)

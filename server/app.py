@@ -26,7 +26,8 @@ def build_engine(spec: ModelSpec) -> Engine:
     if spec.engine == "fake":
         from engines.fake import FakeEngine
 
-        return FakeEngine(spec.name, **spec.fake)
+        return FakeEngine(spec.name, sampling_defaults=spec.sampling_defaults.model_dump(exclude_none=True),
+                          **spec.fake)
     from engines.transformers_engine import TransformersEngine
 
     return TransformersEngine.load(spec)

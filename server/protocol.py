@@ -59,12 +59,14 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                defaults: dict[str, float]) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        top_k = self.top_k if self.top_k is not None else defaults.get("top_k", 0)
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
+            temperature=self.temperature if self.temperature is not None else defaults.get("temperature", 1.0),
+            top_p=self.top_p if self.top_p is not None else defaults.get("top_p", 1.0),
+            top_k=max(int(top_k), 0),
             seed=self.seed,
             max_tokens=max_tokens,
             stop=stop,
@@ -92,9 +94,10 @@ class ChatCompletionRequest(_Sampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
-    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = ()) -> GenerationRequest:
+    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = (),
+                              defaults: dict[str, float] | None = None) -> GenerationRequest:
         max_tokens = self.max_completion_tokens or self.max_tokens
-        params = self._params(max_tokens, self.logprobs, self.top_logprobs or 0)
+        params = self._params(max_tokens, self.logprobs, self.top_logprobs or 0, defaults or {})
         return GenerationRequest(prompt_ids, params, extra_stop=extra_stop)
 
 
@@ -122,9 +125,9 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_generation_request(self, prompt_ids: list[int]) -> GenerationRequest:
+    def to_generation_request(self, prompt_ids: list[int], defaults: dict[str, float] | None = None) -> GenerationRequest:
         lp = self.logprobs is not None
-        return GenerationRequest(prompt_ids, self._params(self.max_tokens, lp, self.logprobs or 0))
+        return GenerationRequest(prompt_ids, self._params(self.max_tokens, lp, self.logprobs or 0, defaults or {}))
 
 
 # ---- responses ----

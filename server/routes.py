@@ -89,7 +89,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     engine = resolve(request, req.model)
     apply_limits(request, req)
     ids = engine.tokenizer.encode_chat(req.message_dicts())
-    gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop)
+    gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults)
     check_context(len(ids), gen_req.params, engine.max_model_len)
     head = P.ResponseHead("chatcmpl", req.model, fingerprint(engine))
     if not req.stream:
@@ -122,7 +122,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
     for i, ids in enumerate(prompts):
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest(f"prompt {i} holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
-    gen_reqs = [req.to_generation_request(ids) for ids in prompts]
+    gen_reqs = [req.to_generation_request(ids, defaults=engine.sampling_defaults) for ids in prompts]
     for g in gen_reqs:
         check_context(len(g.prompt_ids), g.params, engine.max_model_len)
     head = P.ResponseHead("cmpl", req.model, fingerprint(engine))
