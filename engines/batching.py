@@ -191,7 +191,7 @@ class BatchRunner:
                 continue
             self.steps += 1
             delivered = []
-            for (row, s, _), logits in zip(decode, dec_logits):
+            for (_, s, _), logits in zip(decode, dec_logits):
                 s.pending = None
                 s.length += 1
                 if not s.closed:

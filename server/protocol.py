@@ -180,7 +180,7 @@ def chat_response(head: ResponseHead, gen: Generation) -> dict[str, Any]:
             "usage": usage(gen.prompt_tokens, gen.completion_tokens)}
 
 
-def chat_chunk(head: ResponseHead, delta: Delta | None, *, role: bool = False, index: int = 0,
+def chat_chunk(head: ResponseHead, delta: Delta | None, *, index: int = 0,
                logprobs: bool = False) -> dict[str, Any]:
     if delta is None:  # the opening chunk that carries the role
         body: dict[str, Any] = {"role": "assistant", "content": ""}

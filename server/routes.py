@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engines.base import Delta, Engine, GenerationRequest
+from engines.base import Delta, Engine
 from engines.errors import GatewayError, InvalidRequest, ModelNotFound
 from engines.generation import check_context
 from server import protocol as P
