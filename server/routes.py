@@ -136,7 +136,14 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
                 choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
         return P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                      sum(g.completion_tokens for g in gens))
-    streams = [await until_disconnect(request, first_and_rest(engine.stream(g))) for g in gen_reqs]
+    opened = await until_disconnect(request, asyncio.gather(
+        *(first_and_rest(engine.stream(g)) for g in gen_reqs), return_exceptions=True))
+    streams = [s for s in opened if not isinstance(s, BaseException)]
+    failed = [s for s in opened if isinstance(s, BaseException)]
+    if failed:  # prompts are prefilled together; if one fails, close the others and report it
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]
+        raise failed[0]
     return sse_response(completion_events(head, streams, echoes, req, sum(len(p) for p in prompts)))
 
 

@@ -78,6 +78,10 @@ def test_completions(client: openai.OpenAI) -> None:
     assert r.choices[0].logprobs.tokens == ["c"]  # ids 65, 66 are "ab" and len(r.choices[0].logprobs.top_logprobs[0]) == 2
     stream = client.completions.create(model="fake", prompt="a", max_tokens=4, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == "bcde"
+    texts: dict[int, str] = {}
+    for c in client.completions.create(model="fake", prompt=["a", "k"], max_tokens=3, temperature=0, stream=True):
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert texts == {0: "bcd", 1: "lmn"}
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
