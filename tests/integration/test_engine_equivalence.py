@@ -101,3 +101,16 @@ async def test_n_choices_share_one_prefill(smol_engine: TransformersEngine) -> N
     again = await smol_engine.generate(GenerationRequest(ids, SamplingParams(temperature=1.2, max_tokens=12, n=3, seed=1)))
     assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
     assert len({c.text for c in sampled.choices}) > 1
+
+
+async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: TransformersEngine) -> None:
+    from ensembles.logit_average import LogitAverage
+
+    ids = chat_ids(smol_engine, QUESTIONS[0])
+    single = await smol_engine.generate(GenerationRequest(ids, greedy(16)))
+    steps0 = smol_engine.runner.steps
+    ens = await LogitAverage([smol_engine, smol_engine]).generate(GenerationRequest(ids, greedy(16)))
+    assert ens.choices[0].token_ids == single.choices[0].token_ids
+    # both members' sessions decode in the same forward pass of the shared runner
+    assert smol_engine.runner.steps - steps0 <= len(single.choices[0].token_ids) + 1
+    assert smol_engine.active_sessions == 0

@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from engines.base import GenerationRequest, SamplingParams
+from engines.errors import CapabilityMismatch, InvalidRequest
+from engines.fake import FakeEngine
+from ensembles.base import register, strategy_class
+from ensembles.logit_average import LogitAverage
+
+
+def req(e: FakeEngine, **kw) -> GenerationRequest:
+    return GenerationRequest(e.tokenizer.encode("x"), SamplingParams(temperature=0, **kw))
+
+
+async def test_weights_select_a_member() -> None:
+    a, b = FakeEngine("a", script="alpha"), FakeEngine("b", script="bravo")
+    for weights, want in (([1, 0], "alpha"), ([0, 1], "bravo"), ([3, 1], "alpha")):
+        g = await LogitAverage([a, b], weights).generate(req(a))
+        assert g.choices[0].text == want
+    assert a.active_sessions == b.active_sessions == 0
+
+
+async def test_self_average_equals_the_single_model() -> None:
+    a = FakeEngine("a", sharpness=2.0)
+    single = await a.generate(req(a, max_tokens=10))
+    for space in ("probability", "logit"):
+        ens = await LogitAverage([a, a], space=space).generate(req(a, max_tokens=10))
+        assert ens.choices[0].token_ids == single.choices[0].token_ids
+
+
+async def test_combination_in_each_space() -> None:
+    la = LogitAverage([FakeEngine("a"), FakeEngine("b")], [1, 3])
+    z1, z2 = torch.tensor([0.0, 2.0, 1.0]), torch.tensor([1.0, 0.0, 3.0])
+    s = la.open_session()
+    s.vocab = 3
+    p = 0.25 * torch.softmax(z1, -1) + 0.75 * torch.softmax(z2, -1)
+    assert torch.allclose(torch.softmax(s.combine([z1, z2]), -1), p, atol=1e-6)
+    s.space = "logit"
+    assert torch.allclose(s.combine([z1, z2]), 0.25 * z1 + 0.75 * z2)
+    s.close()
+
+
+def test_bad_ensembles_are_refused() -> None:
+    a = FakeEngine("a")
+    with pytest.raises(InvalidRequest, match="at least 2"):
+        LogitAverage([a])
+    with pytest.raises(InvalidRequest, match="weights"):
+        LogitAverage([a, a], [1, -1])
+    with pytest.raises(InvalidRequest, match="space"):
+        LogitAverage([a, a], space="median")
+    other = FakeEngine("other")
+    other.tokenizer.vocab = list(other.tokenizer.vocab)  # a different vocabulary
+    other.tokenizer.vocab[0] = "~~"
+    with pytest.raises(CapabilityMismatch, match="other differ from a.*topk_union"):
+        LogitAverage([a, other])
+
+
+def test_registry() -> None:
+    assert strategy_class("logit_average") is LogitAverage
+    with pytest.raises(InvalidRequest, match="Valid strategies: logit_average"):
+        strategy_class("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register("logit_average", "x:Y")
