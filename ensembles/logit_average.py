@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,11 +26,13 @@ SPACES = ("probability", "logit")
 
 
 class AveragedSession:
-    def __init__(self, members: list[Session], weights: torch.Tensor, space: str, vocab: int) -> None:
+    def __init__(self, members: list[Session], weights: torch.Tensor, space: str, vocab: int,
+                 on_close: Callable[[AveragedSession], None] | None = None) -> None:
         self.members = members
         self.weights = weights  # (M,)
         self.space = space
         self.vocab = vocab
+        self._on_close = on_close
 
     @property
     def length(self) -> int:
@@ -52,6 +54,8 @@ class AveragedSession:
     def close(self) -> None:
         for m in self.members:
             m.close()
+        if self._on_close is not None:
+            self._on_close(self)
 
 
 class LogitAverage(SessionEngine):
@@ -88,15 +92,9 @@ class LogitAverage(SessionEngine):
         self._open: set[AveragedSession] = set()
 
     def open_session(self) -> AveragedSession:
-        session = AveragedSession([m.open_session() for m in self.members], self.weights, self.space, self.vocab)
+        session = AveragedSession([m.open_session() for m in self.members], self.weights, self.space, self.vocab,
+                                  on_close=self._open.discard)
         self._open.add(session)
-        original = session.close
-
-        def close() -> None:
-            self._open.discard(session)
-            original()
-
-        session.close = close  # type: ignore[method-assign]
         return session
 
     @property
