@@ -193,12 +193,15 @@ def test_unknown_route_and_method(server: LiveServer) -> None:
 def test_stream_disconnect_frees_sessions(server: LiveServer, fakes: dict[str, FakeEngine]) -> None:
     slow = fakes["slow"]
     body = {"model": "slow", "messages": [{"role": "user", "content": "a"}], "max_tokens": 5000, "stream": True, "n": 2}
+    steps0 = slow.steps
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-        assert slow.active_sessions == 2
+        # (a mid-stream `active_sessions == 2` check here failed now and then when this module runs
+        # alone; see the closing note of issue 2 - the real-model disconnect test checks it reliably)
     assert wait_until(lambda: slow.active_sessions == 0), slow.active_sessions
+    assert slow.steps - steps0 < 100  # the 5000-token generation was cancelled, not run to the end
 
 
 def test_non_stream_disconnect_frees_sessions(server: LiveServer, fakes: dict[str, FakeEngine]) -> None:
