@@ -83,7 +83,7 @@ class _Prefill:
     ids: list[int]
     future: asyncio.Future[torch.Tensor]
     done: int = 0
-    cache: DynamicCache = field(default_factory=lambda: GrowingCache())
+    cache: DynamicCache = field(default_factory=lambda: GrowingCache())  # defined below
     logits: torch.Tensor | None = None
 
     @property
@@ -149,7 +149,7 @@ class BatchRunner:
         if len(sessions) > self.max_batch_size:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()
-        job = _Prefill(sessions, ids, asyncio.get_running_loop().create_future(), cache=GrowingCache())
+        job = _Prefill(sessions, ids, asyncio.get_running_loop().create_future())
         for s in sessions:
             s.future = job.future
         self.prefills.append(job)
@@ -311,7 +311,7 @@ class BatchRunner:
             col[rows, 0] = 1
             mask = torch.cat([self.mask, col], 1)  # (B, T+1)
             pos = torch.tensor([[s.length] for s in self.rows], device=self.device)  # (B, 1)
-            attn = self._decode_mask(mask, pos)
+            attn = self._attention_mask(pos, mask.cumsum(1) - 1, mask.bool())  # real position of each column
             res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              **{self._cache_kw: self.cache})
             self.mask = mask
@@ -327,13 +327,7 @@ class BatchRunner:
         p = job.done
         ids = torch.tensor([job.ids[p : p + n]], device=self.device)  # (1, L)
         pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
-        q = pos[0].view(n, 1)
-        kv = torch.arange(p + n, device=self.device).view(1, p + n)
-        allowed = kv <= q  # (L, P+L) causal
-        attn: torch.Tensor | dict[str, torch.Tensor] = allowed.view(1, 1, n, p + n)
-        if self._uses_sliding:
-            attn = {"full_attention": allowed.view(1, 1, n, p + n),
-                    "sliding_attention": (allowed & (kv > q - self.sliding_window)).view(1, 1, n, p + n)}
+        attn = self._attention_mask(pos, torch.arange(p + n, device=self.device).unsqueeze(0))
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: job.cache})
         job.done += n
@@ -349,13 +343,7 @@ class BatchRunner:
             ids[row, : len(job.ids)] = torch.tensor(job.ids, device=self.device)
         ar = torch.arange(t, device=self.device)
         pos = ar.unsqueeze(0).expand(j, t)  # (J, T)
-        causal = ar.view(1, t, 1) >= ar.view(1, 1, t)  # (1, Tq, Tk)
-        valid = (ar.view(1, t) < lens.view(j, 1)).view(j, 1, t)  # (J, 1, Tk) real keys
-        full = (causal & valid).view(j, 1, t, t)
-        attn: torch.Tensor | dict[str, torch.Tensor] = full
-        if self._uses_sliding:
-            near = (ar.view(1, 1, t) > ar.view(1, t, 1) - self.sliding_window).view(1, 1, t, t)
-            attn = {"full_attention": full, "sliding_attention": full & near}
+        attn = self._attention_mask(pos, pos, ar.view(1, t) < lens.view(j, 1))  # right padding is not a key
         last = sorted({int(n) - 1 for n in lens})
         cache = GrowingCache()
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
@@ -363,17 +351,22 @@ class BatchRunner:
         for row, job in enumerate(jobs):
             n = len(job.ids)
             job.logits = res.logits[row, last.index(n - 1), :].float().cpu()
-            job.cache = _cache_from([(l.keys[row : row + 1, :, :n].clone(), l.values[row : row + 1, :, :n].clone())
+            # _cache_from copies each slice into a buffer of its own
+            job.cache = _cache_from([(l.keys[row : row + 1, :, :n], l.values[row : row + 1, :, :n])
                                      for l in cache.layers])
             job.done = n
 
-    def _decode_mask(self, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        full = mask.bool()[:, None, None, :]  # (B, 1, 1, T+1)
+    def _attention_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                        kv_valid: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """4-D boolean masks from real positions: a query at position q sees real keys at positions <= q
+        (and > q - window on Gemma-style sliding layers). q_pos: (B, Lq); kv_pos, kv_valid: (B, Lk)."""
+        allowed = kv_pos[:, None, :] <= q_pos[:, :, None]  # (B, Lq, Lk)
+        if kv_valid is not None:
+            allowed = allowed & kv_valid[:, None, :]
         if not self._uses_sliding:
-            return full
-        real_pos = mask.cumsum(1) - 1  # (B, T+1) position of each column's token
-        window = (real_pos > pos - self.sliding_window) & mask.bool()
-        return {"full_attention": full, "sliding_attention": window[:, None, None, :]}
+            return allowed[:, None]
+        near = kv_pos[:, None, :] > q_pos[:, :, None] - self.sliding_window
+        return {"full_attention": allowed[:, None], "sliding_attention": (allowed & near)[:, None]}
 
 
 def _resolve(fut: asyncio.Future[torch.Tensor] | None, value: torch.Tensor | BaseException) -> None:

@@ -105,10 +105,13 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P
     for i in range(req.n):
         yield {**P.chat_chunk(head, None, index=i), **usage_null}
     completion = 0
-    async for d in deltas:
-        completion += len(d.token_ids)
-        if d.text or d.finish_reason or (req.logprobs and d.logprobs):
-            yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
+    try:
+        async for d in deltas:
+            completion += len(d.token_ids)
+            if d.text or d.finish_reason or (req.logprobs and d.logprobs):
+                yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]  # frees the sessions now, not at GC
     if req.include_usage:
         yield {**head.base("chat.completion.chunk"), "choices": [], "usage": P.usage(prompt_tokens, completion)}
 

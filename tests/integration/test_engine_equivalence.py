@@ -35,21 +35,26 @@ async def test_greedy_matches_model_generate(smol_engine: TransformersEngine) ->
     assert "Paris" in g.choices[0].text
 
 
-async def test_kv_cached_decode_equals_full_forward(smol_engine: TransformersEngine) -> None:
-    ids = chat_ids(smol_engine, QUESTIONS[1])
-    session = smol_engine.open_session()
+async def assert_session_matches_full_forward(engine: TransformersEngine, ids: list[int], steps: int,
+                                              atol: float) -> None:
+    """Greedy-step a session; at every step its logits equal a full forward pass over the sequence."""
+    session = engine.open_session()
     try:
         logits = await session.prefill(ids)
         seq = list(ids)
-        for _ in range(6):
+        for _ in range(steps):
             with torch.inference_mode():
-                full = smol_engine.model(torch.tensor([seq])).logits[0, -1]
-            assert torch.allclose(logits, full, atol=1e-4), float((logits - full).abs().max())
+                full = engine.model(torch.tensor([seq])).logits[0, -1]
+            assert torch.allclose(logits, full, atol=atol), float((logits - full).abs().max())
             token = int(torch.argmax(logits))
             seq.append(token)
             logits = await session.step(token)
     finally:
         session.close()
+
+
+async def test_kv_cached_decode_equals_full_forward(smol_engine: TransformersEngine) -> None:
+    await assert_session_matches_full_forward(smol_engine, chat_ids(smol_engine, QUESTIONS[1]), 6, atol=1e-4)
 
 
 async def test_concurrent_requests_batch_and_match_sequential(smol_engine: TransformersEngine) -> None:
@@ -114,3 +119,17 @@ async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: Tr
     # both members' sessions decode in the same forward pass of the shared runner
     assert smol_engine.runner.steps - steps0 <= len(single.choices[0].token_ids) + 1
     assert smol_engine.active_sessions == 0
+
+
+async def test_gemma_sliding_window_with_chunked_prefill_equals_full_forward(default_config) -> None:  # type: ignore[no-untyped-def]
+    """A 562-token prompt: longer than Gemma 3's 512-token sliding window and than one prefill chunk."""
+    from tests.integration.conftest import GEMMA
+
+    engine = TransformersEngine.load(default_config.model(GEMMA))
+    await engine.start()
+    try:
+        ids = engine.tokenizer.encode("Once upon a time " * 140)
+        assert len(ids) > max(engine.runner.sliding_window or 0, engine.runner.prefill_chunk)
+        await assert_session_matches_full_forward(engine, ids, 3, atol=1e-3)
+    finally:
+        await engine.aclose()
