@@ -11,6 +11,7 @@ The server turns each into the OpenAI error envelope in one place (server/errors
      ├── RequestTooLarge              413 code=request_too_large
      ├── RateLimited                  429 rate_limit_exceeded
      ├── EngineFailed                 500 server_error
+     │    └── MemberFailed            502 code=member_failed      (an ensemble member failed)
      └── EngineUnavailable            503 code=engine_unavailable
 """
 
@@ -74,6 +75,13 @@ class EngineFailed(GatewayError):
     status = 500
     type = "server_error"
     code = "engine_failed"
+
+
+class MemberFailed(EngineFailed):
+    """An ensemble member failed and the ensemble cannot go on without it (``on_member_error: fail``)."""
+
+    status = 502
+    code = "member_failed"
 
 
 class EngineUnavailable(GatewayError):

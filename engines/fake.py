@@ -6,6 +6,7 @@ character level: one token per printable ASCII character, plus ``<eos>``.
 
 The next-token logits of a session are a function of the text so far:
 - with ``script``: the next character of the script is favoured (peak ``sharpness``), then ``<eos>``;
+- with ``reply`` (a function of the prompt text): as with a script, the reply to this prompt;
 - without: the next character is the one after the last (``a`` -> ``b``), so outputs are predictable.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ class FakeSession:
         self._engine = engine
         self._ids: list[int] = []
         self._prompt_len = 0
+        self._script = engine.script
         self._closed = False
         engine._open.add(self)
 
@@ -75,6 +77,8 @@ class FakeSession:
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self._ids = list(ids)
         self._prompt_len = len(self._ids)
+        if self._engine.reply is not None:
+            self._script = self._engine.reply(self._engine.tokenizer.decode(self._ids))
         return await self._logits()
 
     async def step(self, token: int) -> torch.Tensor:
@@ -98,8 +102,8 @@ class FakeSession:
         tok = eng.tokenizer
         logits = torch.zeros(tok.vocab_size)
         produced = len(self._ids) - self._prompt_len
-        if eng.script is not None:
-            nxt = tok.encode(eng.script[produced])[0] if produced < len(eng.script) else tok.eos_id
+        if self._script is not None:
+            nxt = tok.encode(self._script[produced])[0] if produced < len(self._script) else tok.eos_id
         else:
             last = tok.vocab[self._ids[-1]] if self._ids else "a"
             nxt = tok.encode(chr((ord(last) - 97 + 1) % 26 + 97))[0] if last.isalpha() else tok.encode("a")[0]
@@ -112,8 +116,10 @@ class FakeSession:
 class FakeEngine(SessionEngine):
     def __init__(self, name: str = "fake", *, script: str | None = None, delay: float = 0.0,
                  max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None,
-                 sampling_defaults: dict[str, float] | None = None) -> None:
+                 sampling_defaults: dict[str, float] | None = None,
+                 reply: Callable[[str], str] | None = None) -> None:
         self.name = name
+        self.reply = reply
         self.sampling_defaults = dict(sampling_defaults or {})
         self.script = script
         self.delay = delay

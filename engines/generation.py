@@ -73,18 +73,8 @@ class SessionEngine:
         return {"active_sessions": self.active_sessions}
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        parts: dict[int, list[Delta]] = {}
-        async for delta in self.stream(request):
-            parts.setdefault(delta.index, []).append(delta)
-        choices = []
-        completion = 0
-        for index in sorted(parts):
-            ds = parts[index]
-            ids = [t for d in ds for t in d.token_ids]
-            completion += len(ids)
-            lps = [lp for d in ds for lp in d.logprobs] if request.params.logprobs else None
-            choices.append(Choice(index, "".join(d.text for d in ds), ids, ds[-1].finish_reason or "stop", lps))
-        return Generation(choices, len(request.prompt_ids), completion)
+        choices = await collect(self.stream(request), request.params.logprobs)
+        return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices))
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int) -> list[tuple[Session, torch.Tensor]]:
         """Open ``n`` sessions on one prompt; engines that can share one prefill override this."""
@@ -149,6 +139,20 @@ class SessionEngine:
             queue.put_nowait(EngineFailed(f"{self.name}: generation failed: {exc}"))
         finally:
             session.close()
+
+
+async def collect(deltas: AsyncIterator[Delta], logprobs: bool) -> list[Choice]:
+    """Gather a stream of deltas into whole choices, by index."""
+    parts: dict[int, list[Delta]] = {}
+    async for delta in deltas:
+        parts.setdefault(delta.index, []).append(delta)
+    choices = []
+    for index in sorted(parts):
+        ds = parts[index]
+        lps = [lp for d in ds for lp in d.logprobs] if logprobs else None
+        choices.append(Choice(index, "".join(d.text for d in ds), [t for d in ds for t in d.token_ids],
+                              ds[-1].finish_reason or "stop", lps))
+    return choices
 
 
 def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:

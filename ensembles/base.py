@@ -1,36 +1,351 @@
-"""Strategies and their registry.
+"""Strategies, their registry, and what a strategy gets for one request.
 
-A strategy combines member engines for one request. Registries are plain dicts of lazily imported
-``"module:Class"`` strings: importing `ensembles` imports no strategy code, registering a name twice is
-an error, and an unknown name's error lists the valid ones.
+A strategy combines member engines for one request. It only talks to the Engine API, so it runs
+the same on in-process models and on remote workers::
+
+    Ensemble.build(spec, engines)   validation: 400s (unknown strategy / member, bad params,
+                                    missing capability) before any work is done
+    Ensemble.call(prompt, ...)      a `Call`: the request's prompt and sampling, usage and trace
+    strategy.stream(call)           deltas of the final answer; token-level strategies yield tokens
+                                    as they are chosen, text-level ones the answer once chosen
+
+Registries are plain dicts of lazily imported ``"module:Class"`` strings: importing `ensembles`
+imports no strategy code, registering a name twice with another target is an error, and an unknown
+name's error lists the valid ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, TypeVar
 
-from engines.errors import InvalidRequest
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
+from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
+from engines.generation import check_context, collect
+from ensembles.spec import EnsembleSpec, MemberSpec
+
+T = TypeVar("T")
 
 STRATEGIES: dict[str, str] = {
-    "logit_average": "ensembles.logit_average:LogitAverage",
+    "logit_average": "ensembles.logit_average:LogitAverageStrategy",
+    "exchange_of_thought": "ensembles.exchange_of_thought:ExchangeOfThought",
+    "crowd_vote": "ensembles.crowd_vote:CrowdVote",
+    "mixture_of_agents": "ensembles.mixture_of_agents:MixtureOfAgents",
 }
 
 
 def register(name: str, target: str) -> None:
-    """Register a strategy class by ``"module:Class"`` (e.g. from the config)."""
-    if name in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is already registered ({STRATEGIES[name]})")
+    """Register a strategy class by ``"module:Class"`` (e.g. from the config's ``strategies``)."""
     if ":" not in target:
         raise ValueError(f"strategy target must be 'module:Class', got {target!r}")
+    if STRATEGIES.get(name, target) != target:
+        raise ValueError(f"strategy {name!r} is already registered ({STRATEGIES[name]})")
     STRATEGIES[name] = target
 
 
-def strategy_class(name: str) -> Any:
+def strategy_class(name: str) -> type[Strategy]:
     try:
         target = STRATEGIES[name]
     except KeyError:
         raise InvalidRequest(f"Unknown ensemble strategy {name!r}. Valid strategies: {', '.join(sorted(STRATEGIES))}.",
                              param="ensemble.strategy") from None
     module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    found = getattr(importlib.import_module(module), cls)
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise TypeError(f"{target} is not an ensembles.base.Strategy subclass")
+    return found
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class Member:
+    """A resolved member: its spec, its engine and its label in the trace."""
+
+    index: int
+    label: str
+    spec: MemberSpec
+    engine: Engine
+
+    def persona(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages with this member's system prompt in place of the request's (if it has one)."""
+        if self.spec.system is None:
+            return messages
+        rest = [m for m in messages if m.get("role") not in ("system", "developer")]
+        return [{"role": "system", "content": self.spec.system}, *rest]
+
+
+def resolve_members(specs: Sequence[MemberSpec], engines: dict[str, Engine]) -> list[Member]:
+    missing = sorted({s.model for s in specs if s.model not in engines})
+    if missing:
+        raise InvalidRequest(f"Unknown ensemble member(s): {', '.join(missing)}. Available models: "
+                            f"{', '.join(sorted(engines))}.", param="ensemble.members")
+    counts: dict[str, int] = {}
+    members = []
+    for i, s in enumerate(specs):
+        base = s.name or s.model
+        counts[base] = counts.get(base, 0) + 1
+        label = base if counts[base] == 1 else f"{base}#{counts[base]}"
+        members.append(Member(i, label, s, engines[s.model]))
+    return members
+
+
+@dataclass
+class Prompt:
+    """What the client asked: chat messages, or a raw text prompt (/v1/completions)."""
+
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+
+    def as_messages(self) -> list[dict[str, Any]]:
+        return self.messages if self.messages is not None else [{"role": "user", "content": self.text or ""}]
+
+    @property
+    def question(self) -> str:
+        """The last user message's text (or the raw prompt): what text-level strategies discuss."""
+        for m in reversed(self.as_messages()):
+            if m.get("role") == "user":
+                return content_text(m.get("content"))
+        return ""
+
+
+def content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def replace_question(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The messages with the last user message's content replaced by ``text``."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m.get("role") == "user":
+            m["content"] = text
+            return out
+    return [*out, {"role": "user", "content": text}]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    calls: int = 0
+
+    def add(self, prompt: int, completion: int, calls: int = 1) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.calls += calls
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "calls": self.calls}
+
+
+@dataclass
+class Call:
+    """One ensemble request: the prompt, the client's sampling, and what the members used and said.
+
+    ``sampling(defaults)`` builds the client's `SamplingParams` with a member engine's defaults for the
+    fields the client left out; members' own temperature / top_p / seed and a strategy's overrides go
+    on top. ``usage`` sums every member call; ``trace`` is returned to clients that ask for it.
+    """
+
+    members: list[Member]
+    prompt: Prompt
+    sampling: Callable[[dict[str, float]], SamplingParams]
+    on_member_error: str
+    logprobs: bool = False
+    usage: Usage = field(default_factory=Usage)
+    trace: dict[str, Any] = field(default_factory=dict)
+    by_member: dict[str, Usage] = field(default_factory=dict)
+
+    def request(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
+                **overrides: Any) -> GenerationRequest:
+        """The member's generation request: its chat template (or the raw prompt), persona and sampling.
+
+        ``persona=False``: the caller already put the member's system prompt into ``messages``.
+        """
+        tok = member.engine.tokenizer
+        if messages is None and self.prompt.text is not None:
+            ids, extra_stop = tok.encode(self.prompt.text), ()
+        else:
+            msgs = messages if messages is not None else self.prompt.as_messages()
+            ids = tok.encode_chat(member.persona(msgs) if persona else msgs)
+            extra_stop = tok.chat_stop
+        own = {k: v for k, v in (("temperature", member.spec.temperature), ("top_p", member.spec.top_p),
+                                 ("seed", member.spec.seed)) if v is not None}
+        params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})
+        check_context(len(ids), params, member.engine.max_model_len)
+        return GenerationRequest(ids, params, extra_stop=extra_stop)
+
+    def record(self, member: Member, prompt_tokens: int, completion_tokens: int) -> None:
+        self.usage.add(prompt_tokens, completion_tokens)
+        self.by_member.setdefault(member.label, Usage()).add(prompt_tokens, completion_tokens)
+
+    async def generate(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
+                       **overrides: Any) -> Generation | None:
+        """One member call. A failure raises `MemberFailed` (``fail``) or is noted in the trace (``skip``: None)."""
+        req = self.request(member, messages, persona=persona, **overrides)
+        try:
+            gen = await member.engine.generate(req)
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a member's fault, handled per on_member_error
+            self.member_failed(member, exc)
+            return None
+        self.record(member, gen.prompt_tokens, gen.completion_tokens)
+        return gen
+
+    async def stream(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
+                     **overrides: Any) -> AsyncIterator[Delta]:
+        """A member's output as it is made (for strategies that stream a member's answer, e.g. an aggregator)."""
+        req = self.request(member, messages, persona=persona, **overrides)
+        completion = 0
+        stream = member.engine.stream(req)
+        try:
+            async for d in stream:
+                completion += len(d.token_ids)
+                yield d
+        except (InvalidRequest, MemberFailed):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
+                               param="ensemble.members") from exc
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            self.record(member, len(req.prompt_ids), completion)
+
+    def member_failed(self, member: Member, exc: BaseException) -> None:
+        if self.on_member_error == "fail":
+            raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
+                               param="ensemble.members") from exc
+        self.trace.setdefault("errors", []).append({"member": member.label, "error": message(exc)})
+
+    def survivors(self, results: Sequence[T | None], members: Sequence[Member]) -> list[tuple[Member, T]]:
+        alive = [(m, r) for m, r in zip(members, results) if r is not None]
+        if not alive:
+            raise MemberFailed("every ensemble member failed: " + "; ".join(
+                f"{e['member']}: {e['error']}" for e in self.trace.get("errors", [])), param="ensemble.members")
+        return alive
+
+    def final_trace(self) -> dict[str, Any]:
+        return {**self.trace, "usage_by_member": {k: u.as_dict() for k, u in self.by_member.items()},
+                "usage": self.usage.as_dict()}
+
+
+def message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, GatewayError) else f"{type(exc).__name__}: {exc}"
+
+
+async def gather(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` that cancels the siblings when one fails (member calls never outlive a request)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Strategy:
+    """Base class of every strategy; subclasses set the class attributes and implement `stream`.
+
+    ``requires``: capabilities every member engine needs. ``Params``: a pydantic model of the strategy's
+    own parameters (unknown fields are refused). ``token_level``: streams tokens as they are chosen and
+    supports ``n`` and ``logprobs``; text-level strategies produce one answer.
+    """
+
+    requires: ClassVar[frozenset[str]] = frozenset({TEXT})
+    Params: ClassVar[type[BaseModel]] = NoParams
+    token_level: ClassVar[bool] = False
+    supports_logprobs: ClassVar[bool] = False
+    default_on_member_error: ClassVar[str] = "skip"
+    min_members: ClassVar[int] = 2
+
+    def __init__(self, name: str, members: list[Member], params: Any, engines: dict[str, Engine]) -> None:
+        self.name = name
+        self.members = members
+        self.params = params
+        self.engines = engines
+        self.check()
+
+    @classmethod
+    def member_minimum(cls, params: Any) -> int:
+        return cls.min_members
+
+    def check(self) -> None:
+        """Strategy-specific validation (raise `InvalidRequest`); called once when the ensemble is built."""
+
+    def precheck(self, call: Call) -> None:
+        """Validation that needs the request (context lengths): runs before any member is called."""
+        for m in self.members:
+            call.request(m)
+
+    def stream(self, call: Call) -> AsyncIterator[Delta]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name, "members": [{"label": m.label, "model": m.spec.model} for m in self.members]}
+
+
+@dataclass
+class Ensemble:
+    """A validated ensemble, ready to run any number of requests."""
+
+    spec: EnsembleSpec
+    strategy: Strategy
+
+    @property
+    def on_member_error(self) -> str:
+        return self.spec.on_member_error or self.strategy.default_on_member_error
+
+    @property
+    def model_for_defaults(self) -> Engine | None:
+        return self.strategy.members[0].engine if self.strategy.members else None
+
+    @classmethod
+    def build(cls, spec: EnsembleSpec, engines: dict[str, Engine]) -> Ensemble:
+        klass = strategy_class(spec.strategy)
+        try:
+            params = klass.Params.model_validate(spec.params)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise InvalidRequest(f"Invalid parameter for ensemble strategy {spec.strategy!r}: {where}: {err['msg']}. "
+                                 f"Valid parameters: {', '.join(klass.Params.model_fields) or 'none'}.",
+                                 param=f"ensemble.{where}" if where else "ensemble") from None
+        members = resolve_members(spec.members, engines)
+        if len(members) < klass.member_minimum(params):
+            raise InvalidRequest(f"Ensemble strategy {spec.strategy!r} needs at least {klass.member_minimum(params)} "
+                                 f"members, "
+                                 f"got {len(members)}.", param="ensemble.members")
+        lacking = sorted({m.label for m in members if not klass.requires <= m.engine.capabilities})
+        if lacking:
+            raise CapabilityMismatch(
+                f"Ensemble strategy {spec.strategy!r} needs members with {', '.join(sorted(klass.requires))}; "
+                f"these members lack it: {', '.join(lacking)}.", param="ensemble.members")
+        return cls(spec, klass(spec.strategy, members, params, engines))
+
+    def call(self, prompt: Prompt, sampling: Callable[[dict[str, float]], SamplingParams], *, n: int = 1,
+             logprobs: bool = False) -> Call:
+        s = self.strategy
+        if n > 1 and not s.token_level:
+            raise InvalidRequest(f"'n' must be 1 with the text-level strategy {self.spec.strategy!r}.", param="n")
+        if logprobs and not (s.token_level or s.supports_logprobs):
+            raise InvalidRequest(f"'logprobs' is not available with the strategy {self.spec.strategy!r}.",
+                                 param="logprobs")
+        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, trace=s.describe())
+        s.precheck(call)
+        return call
+
+    async def run(self, call: Call) -> Generation:
+        choices = await collect(self.strategy.stream(call), call.logprobs)
+        return Generation(choices, call.usage.prompt_tokens, call.usage.completion_tokens)

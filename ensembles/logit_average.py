@@ -7,32 +7,48 @@ distribution, and the chosen token is fed to every member. Because members' sess
 engines' batch runners, concurrent ensemble requests batch like single-model ones.
 
 `LogitAverage` is itself an engine (a `SessionEngine`), so generation, streaming, stop strings, n,
-seeds and logprobs work exactly as for one model.
+seeds and logprobs work exactly as for one model; `LogitAverageStrategy` serves it as the
+``logit_average`` strategy (``align: topk_union`` switches to `ensembles.topk_union` for members with
+different vocabularies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import LOGITS, Engine, Session
-from engines.errors import CapabilityMismatch, InvalidRequest
-from engines.generation import SessionEngine
+from engines.base import LOGITS, Delta, Engine, Session
+from engines.errors import CapabilityMismatch, InvalidRequest, MemberFailed
+from engines.generation import SessionEngine, check_context
+from ensembles.base import Call, Strategy, message
 
 SPACES = ("probability", "logit")
 
 
 class AveragedSession:
+    """One sequence of the ensemble: one session per member, stepped together.
+
+    A member that fails raises `MemberFailed` naming it, or (``skip``) is dropped and the remaining
+    weights renormalised; ``on_drop(label, error)`` reports it.
+    """
+
     def __init__(self, members: list[Session], weights: torch.Tensor, space: str, vocab: int,
-                 on_close: Callable[[AveragedSession], None] | None = None) -> None:
+                 labels: list[str], skip: bool = False,
+                 on_close: Callable[[AveragedSession], None] | None = None,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
         self.members = members
         self.weights = weights  # (M,)
         self.space = space
         self.vocab = vocab
+        self.labels = labels
+        self.skip = skip
         self._on_close = on_close
+        self._on_drop = on_drop
 
     @property
     def length(self) -> int:
@@ -45,11 +61,34 @@ class AveragedSession:
         p = (self.weights[:, None] * torch.softmax(z, dim=-1)).sum(0)  # (V,)
         return torch.log(p.clamp_min(1e-30))  # log-probabilities: sampling acts on p itself
 
+    async def _all(self, calls: list[Awaitable[torch.Tensor]]) -> torch.Tensor:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        for _, r in failed:
+            if isinstance(r, (InvalidRequest, asyncio.CancelledError)) or not isinstance(r, Exception):
+                raise r
+        if failed and (not self.skip or len(failed) == len(results)):
+            i, r = failed[0]
+            raise MemberFailed(f"ensemble member {self.labels[i]!r} failed: {message(r)}",
+                               param="ensemble.members") from r
+        if failed:
+            keep = [i for i in range(len(results)) if i not in dict(failed)]
+            for i, r in failed:
+                self.members[i].close()
+                if self._on_drop is not None:
+                    self._on_drop(self.labels[i], message(r))
+            self.members = [self.members[i] for i in keep]
+            self.labels = [self.labels[i] for i in keep]
+            w = self.weights[keep]
+            self.weights = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(keep))
+            results = [results[i] for i in keep]
+        return self.combine(results)  # type: ignore[arg-type]
+
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        return self.combine(await asyncio.gather(*(m.prefill(ids) for m in self.members)))
+        return await self._all([m.prefill(ids) for m in self.members])
 
     async def step(self, token: int) -> torch.Tensor:
-        return self.combine(await asyncio.gather(*(m.step(token) for m in self.members)))
+        return await self._all([m.step(token) for m in self.members])
 
     def close(self) -> None:
         for m in self.members:
@@ -62,41 +101,128 @@ class LogitAverage(SessionEngine):
     requires = frozenset({LOGITS})
 
     def __init__(self, members: list[Engine], weights: Sequence[float] | None = None,
-                 space: str = "probability", name: str = "logit_average") -> None:
+                 space: str = "probability", name: str = "logit_average", labels: list[str] | None = None,
+                 skip: bool = False, on_drop: Callable[[str, str], None] | None = None) -> None:
         if len(members) < 2:
             raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
-        lacking = [m.name for m in members if LOGITS not in m.capabilities]
+        self.labels = labels or [m.name for m in members]
+        lacking = [lb for lb, m in zip(self.labels, members) if LOGITS not in m.capabilities]
         if lacking:
             raise CapabilityMismatch(f"logit_average needs full logits; these members cannot give them: "
                                      f"{', '.join(lacking)}.", param="ensemble.members")
         base = members[0].tokenizer.fingerprint
-        differ = [m.name for m in members if m.tokenizer.fingerprint != base]
+        differ = [lb for lb, m in zip(self.labels, members) if m.tokenizer.fingerprint != base]
         if differ:
             raise CapabilityMismatch(
                 f"logit_average needs members that share one vocabulary; {', '.join(differ)} differ from "
-                f"{members[0].name}. Use \"align\": \"topk_union\" to ensemble different vocabularies.",
+                f"{self.labels[0]}. Use \"align\": \"topk_union\" to ensemble different vocabularies.",
                 param="ensemble.members")
         if space not in SPACES:
             raise InvalidRequest(f"'space' must be one of {', '.join(SPACES)}.", param="ensemble.space")
-        w = list(weights) if weights is not None else [1.0] * len(members)
-        if len(w) != len(members) or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
-            raise InvalidRequest(f"'weights' must be {len(members)} non-negative numbers with a positive sum.",
-                                 param="ensemble.weights")
         self.name = name
         self.members = members
-        self.weights = torch.tensor(w, dtype=torch.float32) / sum(w)
+        self.weights = normalised_weights(weights, len(members))
         self.space = space
+        self.skip = skip
+        self.on_drop = on_drop
         self.tokenizer = members[0].tokenizer
+        self.sampling_defaults = dict(members[0].sampling_defaults)
         self.max_model_len = min(m.max_model_len for m in members)
         self.vocab = self.tokenizer.vocab_size
         self._open: set[AveragedSession] = set()
 
     def open_session(self) -> AveragedSession:
-        session = AveragedSession([m.open_session() for m in self.members], self.weights, self.space, self.vocab,
-                                  on_close=self._open.discard)
+        sessions: list[Session] = []
+        try:
+            for m in self.members:
+                sessions.append(m.open_session())
+        except BaseException:
+            for s in sessions:
+                s.close()
+            raise
+        session = AveragedSession(sessions, self.weights, self.space, self.vocab, list(self.labels), self.skip,
+                                  on_close=self._open.discard, on_drop=self.on_drop)
         self._open.add(session)
         return session
 
     @property
     def active_sessions(self) -> int:
         return len(self._open)
+
+
+def normalised_weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
+    w = list(weights) if weights is not None else [1.0] * n
+    if len(w) != n or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise InvalidRequest(f"'weights' must be {n} non-negative numbers (one per member) with a positive sum; "
+                             f"got {list(w)}.", param="ensemble.weights")
+    return torch.tensor(w, dtype=torch.float32) / sum(w)
+
+
+class LogitAverageParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weights: list[float] | None = Field(default=None, description="one per member; normalised; default equal")
+    space: Literal["probability", "logit"] = "probability"
+    align: Literal["vocab", "topk_union"] = Field(
+        default="vocab", description="vocab: members share one vocabulary; topk_union: UniTE over token strings")
+    top_k: int = Field(default=10, ge=1, le=100, description="topk_union: tokens each member proposes per step")
+
+
+class LogitAverageStrategy(Strategy):
+    """``logit_average``: token-level ensemble; streams tokens as they are chosen."""
+
+    requires = frozenset({LOGITS})
+    Params = LogitAverageParams
+    token_level = True
+    default_on_member_error = "fail"
+
+    def check(self) -> None:
+        own = [m.label for m in self.members
+               if m.spec.system is not None or m.spec.temperature is not None or m.spec.top_p is not None
+               or m.spec.seed is not None]
+        if own:
+            raise InvalidRequest(
+                "logit_average feeds one prompt to every member and samples once from the combined "
+                f"distribution; per-member system / temperature / top_p / seed are not allowed (members: "
+                f"{', '.join(own)}). Use 'weights' to favour a member.", param="ensemble.members")
+        self.engine(skip=False)
+
+    def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None) -> SessionEngine:
+        engines = [m.engine for m in self.members]
+        labels = [m.label for m in self.members]
+        p = self.params
+        if p.align == "topk_union":
+            from ensembles.topk_union import TopkUnion
+
+            return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)
+        return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)
+
+    def precheck(self, call: Call) -> None:
+        req = call.request(self.members[0])
+        check_context(len(req.prompt_ids), req.params, min(m.engine.max_model_len for m in self.members))
+
+    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+        dropped: list[str] = []
+
+        def on_drop(label: str, error: str) -> None:
+            dropped.append(label)
+            call.trace.setdefault("errors", []).append({"member": label, "error": error})
+
+        engine = self.engine(call.on_member_error == "skip", on_drop)
+        call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,  # type: ignore[attr-defined]
+                           "align": self.params.align})
+        if self.params.align == "topk_union":
+            call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
+                                  "distributions")
+        req = call.request(self.members[0])
+        produced = 0
+        deltas = engine.stream(req)
+        try:
+            async for d in deltas:
+                produced += len(d.token_ids)
+                yield d
+        finally:
+            await deltas.aclose()  # type: ignore[attr-defined]
+            for m in self.members:
+                if m.label not in dropped:
+                    call.record(m, len(req.prompt_ids), produced)

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from engines.base import Engine
 from engines.spec import ModelSpec
+from ensembles.base import Ensemble
 from server import errors
 from server.config import ChorusConfig
 from server.limits import BodyLimit
@@ -48,6 +49,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
         for engine in loaded.values():
             await engine.start()
         app.state.engines = loaded
+        app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in config.ensembles}
         try:
             yield
         finally:
@@ -59,6 +61,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
     app.state.config = config
     app.state.started = int(time.time())
     app.state.engines = {}
+    app.state.ensembles = {}
     errors.install(app)
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)

@@ -13,7 +13,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engines.errors import GatewayError
 from engines.spec import ModelSpec
+from ensembles.base import register, strategy_class
+from ensembles.spec import NamedEnsemble
 
 DEFAULT_CONFIG = "default_config.yaml"
 
@@ -39,13 +42,34 @@ class ChorusConfig(BaseModel):
 
     server: ServerSection = Field(default_factory=ServerSection)
     models: list[ModelSpec] = Field(min_length=1)
+    strategies: dict[str, str] = Field(default_factory=dict, description='third-party strategies: name -> "module:Class"')
+    ensembles: list[NamedEnsemble] = Field(default_factory=list, description="named ensembles, served as models")
 
     @model_validator(mode="after")
     def _unique_names(self) -> ChorusConfig:
-        names = [m.name for m in self.models]
+        names = [m.name for m in self.models] + [e.name for e in self.ensembles]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"model and ensemble names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _ensembles(self) -> ChorusConfig:
+        for name, target in self.strategies.items():
+            register(name, target)
+        models = {m.name for m in self.models}
+        for e in self.ensembles:
+            missing = sorted({m.model for m in e.members if m.model not in models})
+            if missing:
+                raise ValueError(f"ensemble {e.name!r}: unknown member model(s) {', '.join(missing)}")
+            try:
+                strategy_class(e.strategy).Params.model_validate(e.params)
+            except GatewayError as exc:
+                raise ValueError(f"ensemble {e.name!r}: {exc.message}") from None
+            except ValidationError as exc:
+                raise ValueError(f"ensemble {e.name!r}: invalid parameters for {e.strategy}: {exc}") from None
+            except ImportError as exc:
+                raise ValueError(f"ensemble {e.name!r}: cannot import strategy {e.strategy!r}: {exc}") from None
         return self
 
     def model(self, name: str) -> ModelSpec:

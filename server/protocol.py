@@ -47,6 +47,8 @@ class _Sampling(BaseModel):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
+    ensemble: dict[str, Any] | None = Field(
+        default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +93,10 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         return self
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
@@ -115,6 +121,10 @@ class CompletionRequest(_Sampling):
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidRequest("'prompt' must not be empty.", param="prompt")
         return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (a string, or token ids)."""

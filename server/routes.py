@@ -1,18 +1,20 @@
-"""The OpenAI routes: each resolves the model, builds a GenerationRequest and formats the result."""
+"""The OpenAI routes: each resolves the model (an engine or an ensemble), builds the request and formats the result."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engines.base import Delta, Engine
-from engines.errors import GatewayError, InvalidRequest, ModelNotFound
+from engines.base import Engine
+from engines.errors import InvalidRequest, ModelNotFound
 from engines.generation import check_context
+from ensembles.base import Ensemble
+from server import ensemble_calls
 from server import protocol as P
+from server.events import chat_events, completion_events, first_and_rest
 from server.streaming import sse_response, until_disconnect
 
 router = APIRouter()
@@ -22,12 +24,25 @@ def engines(request: Request) -> dict[str, Engine]:
     return request.app.state.engines
 
 
+def ensembles(request: Request) -> dict[str, Ensemble]:
+    return request.app.state.ensembles
+
+
 def resolve(request: Request, name: str) -> Engine:
     found = engines(request).get(name)
     if found is None:
-        known = ", ".join(sorted(engines(request))) or "none"
+        known = ", ".join(sorted([*engines(request), *ensembles(request)])) or "none"
         raise ModelNotFound(f"The model '{name}' does not exist. Available models: {known}.", param="model")
     return found
+
+
+def model_card(request: Request, name: str) -> dict[str, Any]:
+    card = {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "chorus"}
+    if name in ensembles(request):
+        e = ensembles(request)[name]
+        card["ensemble"] = {"strategy": e.spec.strategy, "members": [m.label for m in e.strategy.members],
+                            "description": getattr(e.spec, "description", None)}
+    return card
 
 
 def apply_limits(request: Request, req: P._Sampling) -> None:
@@ -43,51 +58,31 @@ def fingerprint(engine: Engine) -> str:
     return "fp_" + engine.tokenizer.fingerprint[:10]
 
 
-async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    """Pull the first delta now (prefill and validation happen before any byte is sent)."""
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await stream.aclose()  # type: ignore[attr-defined]
-        raise
-
-    async def rest() -> AsyncIterator[Delta]:
-        try:
-            if first is not None:
-                yield first
-            async for d in stream:
-                yield d
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-
-    return rest()
-
-
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
-    return {"status": "ok",
-            "models": {n: e.stats() for n, e in engines(request).items()}}
+    return {"status": "ok", "models": {n: e.stats() for n, e in engines(request).items()},
+            "ensembles": sorted(ensembles(request))}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    created = request.app.state.started
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "chorus"}
-                                        for n in engines(request)]}
+    return {"object": "list", "data": [model_card(request, n) for n in [*engines(request), *ensembles(request)]]}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> dict[str, Any]:
-    resolve(request, name)
-    return {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "chorus"}
+    if name not in ensembles(request):
+        resolve(request, name)
+    return model_card(request, name)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
-    engine = resolve(request, req.model)
     apply_limits(request, req)
+    ensemble = ensemble_calls.find_ensemble(request, req)
+    if ensemble is not None:
+        return await ensemble_calls.chat(request, req, ensemble)
+    engine = resolve(request, req.model)
     ids = engine.tokenizer.encode_chat(req.message_dicts())
     gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults)
     check_context(len(ids), gen_req.params, engine.max_model_len)
@@ -96,30 +91,16 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
         gen = await until_disconnect(request, engine.generate(gen_req))
         return P.chat_response(head, gen)
     deltas = await until_disconnect(request, first_and_rest(engine.stream(gen_req)))
-    return sse_response(chat_events(head, deltas, req, len(ids)))
-
-
-async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P.ChatCompletionRequest,
-                      prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
-    usage_null = {"usage": None} if req.include_usage else {}
-    for i in range(req.n):
-        yield {**P.chat_chunk(head, None, index=i), **usage_null}
-    completion = 0
-    try:
-        async for d in deltas:
-            completion += len(d.token_ids)
-            if d.text or d.finish_reason or (req.logprobs and d.logprobs):
-                yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
-    finally:
-        await deltas.aclose()  # type: ignore[attr-defined]  # frees the sessions now, not at GC
-    if req.include_usage:
-        yield {**head.base("chat.completion.chunk"), "choices": [], "usage": P.usage(prompt_tokens, completion)}
+    return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion)))
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(req: P.CompletionRequest, request: Request) -> Response | dict[str, Any]:
-    engine = resolve(request, req.model)
     apply_limits(request, req)
+    ensemble = ensemble_calls.find_ensemble(request, req)
+    if ensemble is not None:
+        return await ensemble_calls.completion(request, req, ensemble)
+    engine = resolve(request, req.model)
     prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
     vocab = engine.tokenizer.vocab_size
     for i, ids in enumerate(prompts):
@@ -147,47 +128,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
         for s in streams:
             await s.aclose()  # type: ignore[attr-defined]
         raise failed[0]
-    return sse_response(completion_events(head, streams, echoes, req, sum(len(p) for p in prompts)))
-
-
-async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[Delta]], echoes: list[str],
-                            req: P.CompletionRequest, prompt_tokens: int) -> AsyncIterator[dict[str, Any]]:
-    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(p: int, s: AsyncIterator[Delta]) -> None:
-        try:
-            async for d in s:
-                queue.put_nowait((p, d))
-            queue.put_nowait((p, None))
-        except GatewayError as exc:
-            queue.put_nowait((p, exc))
-        finally:
-            await s.aclose()  # type: ignore[attr-defined]
-
-    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
-    usage_null = {"usage": None} if req.include_usage else {}
-    completion, done = 0, 0
-    try:
-        for p, echo in enumerate(echoes):
-            for i in range(req.n if echo else 0):
-                yield {**head.base("text_completion"), **usage_null,
-                       "choices": [P.completion_choice(p * req.n + i, echo, None, None)]}
-        while done < len(tasks):
-            p, item = await queue.get()
-            if item is None:
-                done += 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            completion += len(item.token_ids)
-            lps = P.completion_logprobs(item.logprobs) if req.logprobs is not None else None
-            yield {**head.base("text_completion"), **usage_null,
-                   "choices": [P.completion_choice(p * req.n + item.index, item.text, item.finish_reason, lps)]}
-        if req.include_usage:
-            yield {**head.base("text_completion"), "choices": [], "usage": P.usage(prompt_tokens, completion)}
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return sse_response(completion_events(head, streams, echoes, req, lambda c: P.usage(prompt_tokens, c)))
 
 

@@ -4,8 +4,8 @@ import torch
 from engines.base import GenerationRequest, SamplingParams
 from engines.errors import CapabilityMismatch, InvalidRequest
 from engines.fake import FakeEngine
-from ensembles.base import register, strategy_class
-from ensembles.logit_average import LogitAverage
+from ensembles.base import STRATEGIES, register, strategy_class
+from ensembles.logit_average import LogitAverage, LogitAverageStrategy
 
 
 def req(e: FakeEngine, **kw) -> GenerationRequest:
@@ -56,8 +56,9 @@ def test_bad_ensembles_are_refused() -> None:
 
 
 def test_registry() -> None:
-    assert strategy_class("logit_average") is LogitAverage
-    with pytest.raises(InvalidRequest, match="Valid strategies: logit_average"):
+    assert strategy_class("logit_average") is LogitAverageStrategy
+    with pytest.raises(InvalidRequest, match="Valid strategies: crowd_vote, exchange_of_thought, logit_average"):
         strategy_class("nope")
     with pytest.raises(ValueError, match="already registered"):
         register("logit_average", "x:Y")
+    register("logit_average", STRATEGIES["logit_average"])  # the same target again is fine (config reloads)

@@ -1,0 +1,89 @@
+"""``crowd_vote``: pick the candidate most similar to the others (methods.md section 3).
+
+Candidates come from the members (``samples_per_member`` each, at ``temperature`` if given) or from
+the request (``candidates: [...]``, to score external answers; then no member is called). Score
+``q_i = sum_{j != i} s(i, j)``; the answer is argmax q, ties to the lowest index. ``metric`` picks one
+similarity; ``weights`` mixes several (chorus's addition; the published method uses one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.base import Delta
+from ensembles.base import Call, Strategy, gather
+from ensembles.similarity import METRICS, crowd_scores, similarity
+
+Metric = Literal["embedding_cosine", "word_rouge_l", "char_rouge_l"]
+
+
+class CrowdVoteParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metric: Metric = "embedding_cosine"
+    weights: dict[Metric, float] | None = Field(default=None, description="mix of metrics, e.g. {word_rouge_l: 1}")
+    samples_per_member: int = Field(default=1, ge=1, le=16)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="sampling temperature of candidates")
+    candidates: list[str] | None = Field(default=None, description="score these answers instead of calling members")
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and (not v or any(w < 0 for w in v.values()) or sum(v.values()) <= 0):
+            raise ValueError(f"weights must be non-negative with a positive sum, over {', '.join(METRICS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _candidates(self) -> CrowdVoteParams:
+        if self.candidates is not None and not self.candidates:
+            raise ValueError("candidates must not be empty")
+        return self
+
+    def mix(self) -> dict[str, float]:
+        w = self.weights or {self.metric: 1.0}
+        total = sum(w.values())
+        return {m: x / total for m, x in w.items() if x > 0}
+
+
+def vote(texts: list[str], mix: dict[str, float]) -> tuple[int, np.ndarray, dict[str, list[float]]]:
+    """(winner, combined scores, per-metric scores). Blocking (embeddings): run it in a thread."""
+    per_metric = {m: crowd_scores(similarity(m, texts)) for m in mix}
+    q = sum(w * per_metric[m] for m, w in mix.items())
+    return int(np.argmax(q)), q, {m: s.tolist() for m, s in per_metric.items()}  # argmax: first of ties
+
+
+class CrowdVote(Strategy):
+    Params = CrowdVoteParams
+
+    @classmethod
+    def member_minimum(cls, params: CrowdVoteParams) -> int:
+        return 0 if params.candidates is not None else 2  # external candidates need no member
+
+    def precheck(self, call: Call) -> None:
+        if self.params.candidates is None:
+            super().precheck(call)
+
+    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+        p = self.params
+        if p.candidates is not None:
+            sources = [{"member": None, "text": t, "finish_reason": "stop"} for t in p.candidates]
+        else:
+            over = {"n": p.samples_per_member} | ({"temperature": p.temperature} if p.temperature is not None else {})
+            gens = await gather(*(call.generate(m, **over) for m in self.members))
+            sources = [{"member": m.label, "text": c.text, "finish_reason": c.finish_reason}
+                       for m, g in call.survivors(gens, self.members) for c in g.choices]
+        texts = [s["text"] for s in sources]
+        mix = p.mix()
+        winner, q, per_metric = await asyncio.to_thread(vote, texts, mix)
+        call.trace.update({
+            "candidates": sources, "metric": mix, "scores": q.tolist(), "scores_by_metric": per_metric,
+            "winner": {"index": winner, "member": sources[winner]["member"]},
+            "reason": f"candidate {winner} has the highest summed similarity to the other {len(texts) - 1} "
+                      f"candidates ({' + '.join(f'{w:g} x {m}' for m, w in mix.items())}: {q[winner]:.4f})",
+        })
+        yield Delta(0, texts[winner], finish_reason=sources[winner]["finish_reason"])

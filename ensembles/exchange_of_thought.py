@@ -1,0 +1,163 @@
+"""``exchange_of_thought``: members solve, see each other's solutions, and solve again (methods.md section 2).
+
+Round 0: every agent answers. If all answers agree, stop before any exchange. Each later round, agent
+i sees its own latest solution and those of the peers its row of the visibility matrix names (from
+round 2 on with each peer's confidence), and writes a fresh solution. Stop when all latest answers
+agree, or after ``max_rounds``; the final answer is the majority of the last round (empty answers
+ignored, ties to the earliest agent), and the content is the first agent with that answer's last
+solution. Members of a round run concurrently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engines.base import Delta
+from engines.errors import InvalidRequest
+from ensembles.answers import compile_pattern, extract_answer
+from ensembles.base import Call, Member, Strategy, gather, replace_question
+
+TOPOLOGIES = ("memory", "report", "relay", "debate")
+INSTRUCTION = {"number": 'Solve it step by step, and end with "The answer is X" where X is a number.',
+               "choice": 'Solve it step by step, and end with "The answer is (X)" where X is the option letter.'}
+
+
+def visibility(topology: str, n: int) -> list[list[bool]]:
+    """``sees[i][j]``: agent i sees agent j's solution. The methods.md table, generalised to n agents:
+    memory = everyone; report = the centre (0) sees all, the others see the centre; relay = a ring
+    (i sees i+1); debate = the root (0) sees all, the others see each other but not the root."""
+    rule = {
+        "memory": lambda i, j: True,
+        "report": lambda i, j: i == 0 or j == 0,
+        "relay": lambda i, j: j == (i + 1) % n,
+        "debate": lambda i, j: i == 0 or j != 0,
+    }[topology]
+    return [[i != j and rule(i, j) for j in range(n)] for i in range(n)]
+
+
+def confidence(history: list[str]) -> float | None:
+    """Share of the agent's own answers (initial included) that equal its most frequent non-empty one."""
+    if len(history) < 2:
+        return None
+    counts = Counter(a for a in history if a)
+    return max(counts.values()) / len(history) if counts else 0.0
+
+
+def agreed(answers: list[str]) -> bool:
+    return bool(answers) and all(answers) and len(set(answers)) == 1
+
+
+def majority(answers: list[str]) -> str:
+    counts = Counter(a for a in answers if a)  # insertion order breaks ties: the earliest agent
+    return counts.most_common(1)[0][0] if counts else ""
+
+
+class EoTParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    topology: Literal["memory", "report", "relay", "debate"] = "memory"
+    visibility: list[list[int]] | None = Field(default=None, description="custom n x n 0/1 matrix: row i = whom i sees")
+    max_rounds: int = Field(default=5, ge=0, le=10)
+    answer: Literal["number", "choice"] = "number"
+    answer_pattern: str | None = Field(default=None, description="regex; its first group is the answer")
+    instruction: str | None = Field(default=None, description="appended to the question (default: ask for 'The answer is X')")
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        compile_pattern(v)
+        return v
+
+
+class ExchangeOfThought(Strategy):
+    Params = EoTParams
+
+    def check(self) -> None:
+        n = len(self.members)
+        v = self.params.visibility
+        if v is not None and (len(v) != n or any(len(row) != n or any(x not in (0, 1) for x in row) for row in v)):
+            raise InvalidRequest(f"'visibility' must be a {n} x {n} matrix of 0 and 1 (one row and column per member).",
+                                 param="ensemble.visibility")
+        self.sees = ([[bool(x) and i != j for j, x in enumerate(row)] for i, row in enumerate(v)] if v is not None
+                     else visibility(self.params.topology, n))
+        self.pattern = compile_pattern(self.params.answer_pattern)
+
+    def answer_of(self, text: str) -> str:
+        return extract_answer(text, self.params.answer, self.pattern)
+
+    def instruction(self) -> str:
+        return self.params.instruction if self.params.instruction is not None else INSTRUCTION[self.params.answer]
+
+    def exchange_prompt(self, question: str, own: str, peers: list[tuple[str, str, float | None]]) -> str:
+        parts = [question, f"Your previous solution:\n{own}", "Solutions from other agents:"]
+        for label, text, conf in peers:
+            parts.append(f"Agent {label}" + (f" (confidence {conf:.2f})" if conf is not None else "") + f":\n{text}")
+        if not peers:
+            parts.pop()
+        if any(conf is not None for _, _, conf in peers):
+            parts.append("A confidence below 0.5 means that solution is probably wrong, but a high confidence "
+                         "can also be wrong.")
+        parts.append("Use the other solutions as extra information, think again, and write a fresh solution. "
+                     + self.instruction())
+        return "\n\n".join(parts)
+
+    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+        question = call.prompt.question
+        base = call.prompt.as_messages()
+        rounds: list[dict[str, Any]] = []
+        call.trace.update({"topology": self.params.topology if self.params.visibility is None else "custom",
+                           "visibility": [[int(x) for x in row] for row in self.sees], "rounds": rounds})
+        first = replace_question(base, f"{question}\n\n{self.instruction()}")
+        gens = await gather(*(call.generate(m, first) for m in self.members))
+        active: list[Member] = []
+        text: dict[int, str] = {}
+        finish: dict[int, str] = {}
+        history: dict[int, list[str]] = {}
+        agents = []
+        for m, g in call.survivors(gens, self.members):
+            active.append(m)
+            text[m.index], finish[m.index] = g.choices[0].text, g.choices[0].finish_reason
+            history[m.index] = [self.answer_of(text[m.index])]
+            agents.append({"member": m.label, "sees": [], "answer": history[m.index][-1], "text": text[m.index]})
+        rounds.append({"round": 0, "agents": agents})
+        latest = [history[m.index][-1] for m in active]
+        if agreed(latest):
+            reason = "unanimous at round 0: stopped before any exchange"
+        else:
+            reason = f"max_rounds ({self.params.max_rounds}) reached: majority of the last round"
+            for r in range(1, self.params.max_rounds + 1):
+                prompts, agents = [], []
+                for m in active:
+                    peers = [p for p in active if self.sees[m.index][p.index]]
+                    conf = {p.label: confidence(history[p.index]) if r >= 2 else None for p in peers}
+                    prompts.append(replace_question(base, self.exchange_prompt(
+                        question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers])))
+                    agents.append({"member": m.label, "sees": [p.label for p in peers],
+                                   "peer_confidence": {k: v for k, v in conf.items() if v is not None}})
+                gens = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
+                kept = []
+                for m, g, a in zip(active, gens, agents):
+                    if g is None:
+                        a["error"] = True
+                        continue
+                    kept.append(m)
+                    text[m.index], finish[m.index] = g.choices[0].text, g.choices[0].finish_reason
+                    history[m.index].append(self.answer_of(text[m.index]))
+                    a.update(answer=history[m.index][-1], text=text[m.index])
+                active = [m for m, _ in call.survivors([m if m in kept else None for m in active], active)]
+                rounds.append({"round": r, "agents": agents})
+                latest = [history[m.index][-1] for m in active]
+                if agreed(latest):
+                    reason = f"all agents agreed after round {r}"
+                    break
+        final = majority(latest)
+        winner = next((m for m in active if history[m.index][-1] == final), active[0])
+        if not final:
+            reason += "; no agent gave an extractable answer"
+        call.trace.update({"answer": final, "winner": {"member": winner.label}, "reason": reason,
+                           "confidence": {m.label: confidence(history[m.index]) for m in active}})
+        yield Delta(0, text[winner.index], finish_reason=finish[winner.index])

@@ -1,0 +1,59 @@
+"""How a caller (request body) or the config names an ensemble: strategy, members, options, params.
+
+``{"strategy": "crowd_vote", "members": ["a", {"model": "a", "seed": 7}], "trace": true, "metric": ...}``:
+the fields below are common to every strategy; any other field is a strategy parameter, validated by
+the strategy's own ``Params`` model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class MemberSpec(BaseModel):
+    """One member: a served model, optionally with its own persona, temperature or seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    name: str | None = Field(default=None, description="label in the trace (default: the model, numbered)")
+    system: str | None = Field(default=None, description="persona: replaces the request's system message")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
+class EnsembleSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    strategy: str = Field(min_length=1)
+    members: list[MemberSpec] = Field(default_factory=list)
+    trace: bool = False
+    on_member_error: Literal["fail", "skip"] | None = Field(
+        default=None, description="default: skip for text-level strategies, fail for token-level ones")
+
+    @field_validator("members", mode="before")
+    @classmethod
+    def _names_to_members(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"model": m} if isinstance(m, str) else m for m in v]
+        return v
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The strategy's own parameters: every field not common to all strategies."""
+        return dict(self.model_extra or {})
+
+    def merged(self, override: dict[str, Any]) -> EnsembleSpec:
+        """This spec with fields from a request body on top (e.g. ``trace: true`` on a named ensemble)."""
+        base = self.model_dump(exclude_unset=True, exclude={"name", "description"})
+        return EnsembleSpec.model_validate({**base, **override})
+
+
+class NamedEnsemble(EnsembleSpec):
+    """A config entry: an ensemble served under its own model name (listed in /v1/models)."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None

@@ -1,0 +1,100 @@
+"""Requests answered by an ensemble: resolve it (named, or from the body), run it, format the result.
+
+The strategy's work is its own (ensembles/); this module only turns a request into a `Call` and the
+`Call`'s deltas, usage and trace into OpenAI JSON or SSE. ``usage`` sums every member call; with
+``"trace": true`` the response carries an ``ensemble`` object (streams: on a last chunk with no choices).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from engines.base import Delta, SamplingParams
+from engines.errors import InvalidRequest
+from ensembles.base import Call, Ensemble, Prompt
+from ensembles.spec import EnsembleSpec
+from server import protocol as P
+from server.events import chat_events, completion_events, first_and_rest
+from server.streaming import sse_response, until_disconnect
+
+
+def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:
+    """The ensemble this request asks for: a named one (``model``), the body's ``ensemble``, or both merged."""
+    named: dict[str, Ensemble] = request.app.state.ensembles
+    base = named.get(req.model)
+    if req.ensemble is None:
+        return base
+    try:
+        spec = base.spec.merged(req.ensemble) if base is not None else EnsembleSpec.model_validate(req.ensemble)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"Invalid 'ensemble' object: {where or 'ensemble'}: {err['msg']}.",
+                             param="ensemble" + (f".{where}" if where else "")) from None
+    return Ensemble.build(spec, request.app.state.engines)
+
+
+def fingerprint(ensemble: Ensemble) -> str:
+    spec = json.dumps(ensemble.spec.model_dump(exclude={"trace"}), sort_keys=True, default=str)
+    return "fp_ens_" + hashlib.sha256(spec.encode()).hexdigest()[:8]
+
+
+def start_call(ensemble: Ensemble, req: P.ChatCompletionRequest | P.CompletionRequest, prompt: Prompt) -> Call:
+    def sampling(defaults: dict[str, float]) -> SamplingParams:
+        return req.to_generation_request([], defaults=defaults).params
+
+    return ensemble.call(prompt, sampling, n=req.n, logprobs=req.wants_logprobs)
+
+
+def trailer(ensemble: Ensemble, call: Call) -> dict[str, Any]:
+    return {"ensemble": call.final_trace()} if ensemble.spec.trace else {}
+
+
+async def deltas_for(request: Request, ensemble: Ensemble, call: Call) -> AsyncIterator[Delta]:
+    """The strategy's stream. Token-level strategies produce their first token before the first byte is
+    sent (so their errors are HTTP errors); text-level ones start the SSE stream at once (pings keep it
+    open while members work) and report a failure as the final error event."""
+    stream = ensemble.strategy.stream(call)
+    if ensemble.strategy.token_level:
+        return await until_disconnect(request, first_and_rest(stream))
+    return stream
+
+
+def usage_of(call: Call) -> Callable[[int], dict[str, int]]:
+    return lambda _completion: P.usage(call.usage.prompt_tokens, call.usage.completion_tokens)
+
+
+async def chat(request: Request, req: P.ChatCompletionRequest, ensemble: Ensemble) -> Any:
+    call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
+    head = P.ResponseHead("chatcmpl", req.model, fingerprint(ensemble))
+    if not req.stream:
+        gen = await until_disconnect(request, ensemble.run(call))
+        return {**P.chat_response(head, gen), **trailer(ensemble, call)}
+    deltas = await deltas_for(request, ensemble, call)
+    return sse_response(chat_events(head, deltas, req, usage_of(call), lambda: trailer(ensemble, call)))
+
+
+async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensemble) -> Any:
+    prompts = req.prompts()
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
+                             param="prompt")
+    call = start_call(ensemble, req, Prompt(text=prompts[0]))
+    head = P.ResponseHead("cmpl", req.model, fingerprint(ensemble))
+    echo = prompts[0] if req.echo else ""
+    if not req.stream:
+        gen = await until_disconnect(request, ensemble.run(call))
+        choices = [P.completion_choice(c.index, echo + c.text, c.finish_reason,
+                                       P.completion_logprobs(c.logprobs, len(echo)) if c.logprobs is not None else None)
+                   for c in gen.choices]
+        return {**P.completion_response(head, choices, gen.prompt_tokens, gen.completion_tokens),
+                **trailer(ensemble, call)}
+    deltas = await deltas_for(request, ensemble, call)
+    return sse_response(completion_events(head, [deltas], [echo], req, usage_of(call),
+                                          lambda: trailer(ensemble, call)))

@@ -1,0 +1,97 @@
+"""Formatting of streams: engine deltas -> OpenAI chat / text-completion chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engines.base import Delta
+from engines.errors import GatewayError
+from server import protocol as P
+
+
+async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Pull the first delta now (prefill and validation happen before any byte is sent)."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def rest() -> AsyncIterator[Delta]:
+        try:
+            if first is not None:
+                yield first
+            async for d in stream:
+                yield d
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    return rest()
+
+
+async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P.ChatCompletionRequest,
+                      usage: Callable[[int], dict[str, int]],
+                      trailer: Callable[[], dict[str, Any]] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks: the role, the deltas, then (if asked) usage and an ensemble's trace on a last chunk."""
+    usage_null = {"usage": None} if req.include_usage else {}
+    for i in range(req.n):
+        yield {**P.chat_chunk(head, None, index=i), **usage_null}
+    completion = 0
+    try:
+        async for d in deltas:
+            completion += len(d.token_ids)
+            if d.text or d.finish_reason or (req.logprobs and d.logprobs):
+                yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
+    finally:
+        await deltas.aclose()  # type: ignore[attr-defined]  # frees the sessions now, not at GC
+    last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
+    if last:
+        yield {**head.base("chat.completion.chunk"), "choices": [], **last}
+
+
+async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[Delta]], echoes: list[str],
+                            req: P.CompletionRequest, usage: Callable[[int], dict[str, int]],
+                            trailer: Callable[[], dict[str, Any]] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Text-completion chunks of several prompts' streams, interleaved as they come."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(p: int, s: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in s:
+                queue.put_nowait((p, d))
+            queue.put_nowait((p, None))
+        except GatewayError as exc:
+            queue.put_nowait((p, exc))
+        finally:
+            await s.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+    usage_null = {"usage": None} if req.include_usage else {}
+    completion, done = 0, 0
+    try:
+        for p, echo in enumerate(echoes):
+            for i in range(req.n if echo else 0):
+                yield {**head.base("text_completion"), **usage_null,
+                       "choices": [P.completion_choice(p * req.n + i, echo, None, None)]}
+        while done < len(tasks):
+            p, item = await queue.get()
+            if item is None:
+                done += 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            completion += len(item.token_ids)
+            lps = P.completion_logprobs(item.logprobs) if req.logprobs is not None else None
+            yield {**head.base("text_completion"), **usage_null,
+                   "choices": [P.completion_choice(p * req.n + item.index, item.text, item.finish_reason, lps)]}
+        last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
+        if last:
+            yield {**head.base("text_completion"), "choices": [], **last}
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
