@@ -107,6 +107,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def encode_text(self, text: str) -> list[int]: ...  # no special tokens
+
+    def token_strings(self) -> list[str]: ...  # each id's text ("" for special tokens)
+
     def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...

@@ -50,6 +50,12 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._ids.get(c, self._ids["?"]) for c in text]
 
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def token_strings(self) -> list[str]:
+        return [self.decode([i]) for i in range(self.vocab_size)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.vocab[i] for i in ids if i != self.eos_id)
 

@@ -58,6 +58,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def encode_text(self, text: str) -> list[int]:
+        """A piece of text without special tokens (e.g. a string to feed mid-sequence)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def token_strings(self) -> list[str]:
+        """Every token id's text (special tokens: empty)."""
+        return self.hf.batch_decode([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 

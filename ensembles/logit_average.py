@@ -30,6 +30,28 @@ from ensembles.base import Call, Strategy, message
 SPACES = ("probability", "logit")
 
 
+async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequence[str], skip: bool,
+                       on_drop: Callable[[str, str], None] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Run one step of every member concurrently: (indices of the members still in, their logits).
+
+    A member that fails raises `MemberFailed` naming it, unless ``skip`` (and another member is left):
+    then it is reported to ``on_drop`` and left out. Client errors (context length) pass through.
+    """
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    for _, r in failed:
+        if isinstance(r, InvalidRequest) or not isinstance(r, Exception):
+            raise r
+    if failed and (not skip or len(failed) == len(results)):
+        i, r = failed[0]
+        raise MemberFailed(f"ensemble member {labels[i]!r} failed: {message(r)}", param="ensemble.members") from r
+    for i, r in failed:
+        if on_drop is not None:
+            on_drop(labels[i], message(r))
+    keep = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+    return keep, [results[i] for i in keep]  # type: ignore[misc]
+
+
 class AveragedSession:
     """One sequence of the ensemble: one session per member, stepped together.
 
@@ -62,27 +84,15 @@ class AveragedSession:
         return torch.log(p.clamp_min(1e-30))  # log-probabilities: sampling acts on p itself
 
     async def _all(self, calls: list[Awaitable[torch.Tensor]]) -> torch.Tensor:
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        for _, r in failed:
-            if isinstance(r, (InvalidRequest, asyncio.CancelledError)) or not isinstance(r, Exception):
-                raise r
-        if failed and (not self.skip or len(failed) == len(results)):
-            i, r = failed[0]
-            raise MemberFailed(f"ensemble member {self.labels[i]!r} failed: {message(r)}",
-                               param="ensemble.members") from r
-        if failed:
-            keep = [i for i in range(len(results)) if i not in dict(failed)]
-            for i, r in failed:
+        keep, results = await step_members(calls, self.labels, self.skip, self._on_drop)
+        if len(keep) < len(self.members):
+            for i in set(range(len(self.members))) - set(keep):
                 self.members[i].close()
-                if self._on_drop is not None:
-                    self._on_drop(self.labels[i], message(r))
             self.members = [self.members[i] for i in keep]
             self.labels = [self.labels[i] for i in keep]
             w = self.weights[keep]
             self.weights = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(keep))
-            results = [results[i] for i in keep]
-        return self.combine(results)  # type: ignore[arg-type]
+        return self.combine(results)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         return await self._all([m.prefill(ids) for m in self.members])
@@ -194,7 +204,7 @@ class LogitAverageStrategy(Strategy):
         if p.align == "topk_union":
             from ensembles.topk_union import TopkUnion
 
-            return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)
+            return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)  # type: ignore[return-value]
         return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)
 
     def precheck(self, call: Call) -> None:
@@ -214,15 +224,20 @@ class LogitAverageStrategy(Strategy):
         if self.params.align == "topk_union":
             call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
                                   "distributions")
-        req = call.request(self.members[0])
+        if self.params.align == "topk_union":
+            reqs = [call.request(m) for m in self.members]
+            deltas = engine.stream_requests(reqs)  # type: ignore[attr-defined]
+        else:
+            reqs = [call.request(self.members[0])] * len(self.members)
+            deltas = engine.stream(reqs[0])
         produced = 0
-        deltas = engine.stream(req)
         try:
             async for d in deltas:
                 produced += len(d.token_ids)
                 yield d
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
-            for m in self.members:
+            fed = getattr(engine, "fed", None)
+            for i, m in enumerate(self.members):
                 if m.label not in dropped:
-                    call.record(m, len(req.prompt_ids), produced)
+                    call.record(m, len(reqs[i].prompt_ids), fed[i] if fed is not None else produced)

@@ -317,3 +317,17 @@ def test_disconnect_cancels_the_members(server: LiveServer, fakes: dict[str, Fak
         assert wait_until(lambda: fakes["fake"].active_sessions == 0, 5.0)
     finally:
         fakes["fake"].delay = 0.0
+
+
+def test_topk_union_over_different_vocabularies(client: openai.OpenAI) -> None:
+    ens = {"strategy": "logit_average", "align": "topk_union", "members": ["a42", "odd"], "weights": [1, 0],
+           "trace": True}
+    resp = chat(client, ens, temperature=0)
+    assert resp.choices[0].message.content == "Six times seven. The answer is 42."  # weight 1 on a42
+    t = trace_of(resp)
+    assert t["align"] == "topk_union" and "approximation" in t["note"]
+    same = chat(client, {**ens, "members": ["fake", "fake"], "weights": None}, temperature=0, max_tokens=8)
+    alone = chat(client, temperature=0, max_tokens=8)
+    assert same.choices[0].message.content == alone.choices[0].message.content
+    chunks = list(chat(client, ens, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content

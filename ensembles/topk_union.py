@@ -1,0 +1,163 @@
+"""``logit_average`` with ``align: topk_union``: members with different vocabularies (UniTE, methods.md §1).
+
+Every step, each member proposes its top-k tokens as *strings* (its tokenizer's text for the token, so
+``Ġthe`` and ``▁the`` are both `` the``); the union of the strings is the step's vocabulary. A member
+scores a string by its logit for that exact token if it has one, else for the first sub-token of the
+string's own tokenisation; end-of-sequence is one shared entry scored by each member's EOS logit.
+Per member a softmax over the union, weighted average, then the client's sampling acts on the result.
+The chosen string is re-tokenised per member and fed to each member's own session (own KV cache,
+own chat template for the prompt). It is an approximation of the members' full distributions; the
+trace says so. Penalties (presence / frequency) do not apply to union entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import cache
+
+import torch
+
+from engines.base import Delta, Engine, GenerationRequest, Session, TokenLogprob, Tokenizer, TopLogprob
+from engines.detokenize import TextAssembler
+from engines.errors import InvalidRequest
+from engines.generation import check_context
+from engines.sampling import logprob_info, make_generator, sample
+from ensembles.logit_average import normalised_weights, step_members
+
+EOS = "\x00<eos>"  # the union entry for end-of-sequence
+
+
+class Vocab:
+    """A member tokenizer's token strings, and string -> token id (built once per tokenizer: ~2 s for 262k)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.strings = tok.token_strings()
+        self.ids: dict[str, int] = {}
+        repeated: set[str] = set()
+        for i, s in enumerate(self.strings):
+            if s and i not in tok.eos_token_ids:
+                if s in self.ids:
+                    repeated.add(s)
+                self.ids.setdefault(s, i)
+        for s in repeated:  # e.g. Gemma's byte-fallback <0x3F> and "?": the tokenizer's own choice wins
+            own = tok.encode_text(s)
+            if len(own) == 1:
+                self.ids[s] = own[0]
+        self.eos = sorted(tok.eos_token_ids)
+
+    def first_id(self, s: str) -> int | None:
+        if s in self.ids:
+            return self.ids[s]
+        ids = self.tok.encode_text(s)
+        return ids[0] if ids else None
+
+    def pieces(self, s: str) -> list[int]:
+        return [self.ids[s]] if s in self.ids else self.tok.encode_text(s)
+
+
+@cache
+def vocab_of(tok: Tokenizer) -> Vocab:
+    return Vocab(tok)
+
+
+class TopkUnion:
+    def __init__(self, members: list[Engine], weights: Sequence[float] | None, top_k: int = 10,
+                 labels: list[str] | None = None, skip: bool = False,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
+        if len(members) < 2:
+            raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
+        self.members = members
+        self.labels = labels or [m.name for m in members]
+        self.weights = normalised_weights(weights, len(members))
+        self.top_k = top_k
+        self.skip = skip
+        self.on_drop = on_drop
+        self.fed = [0] * len(members)  # tokens fed to each member (usage)
+
+    def union_step(self, alive: list[int], logits: list[torch.Tensor]) -> tuple[list[str], torch.Tensor]:
+        """The union of the members' top-k strings and the weighted average of their distributions over it."""
+        union: dict[str, None] = {}
+        for i, z in zip(alive, logits):
+            v = vocab_of(self.members[i].tokenizer)
+            for t in torch.topk(z[: len(v.strings)], self.top_k).indices.tolist():
+                s = EOS if t in v.eos else v.strings[t]
+                if s:
+                    union.setdefault(s)
+        strings = list(union)
+        w = self.weights[alive]
+        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(alive))
+        p = torch.zeros(len(strings))
+        for wi, i, z in zip(w.tolist(), alive, logits):
+            v = vocab_of(self.members[i].tokenizer)
+            scores = torch.full((len(strings),), float("-inf"))
+            for j, s in enumerate(strings):
+                tid = None if s == EOS else v.first_id(s)
+                if s == EOS:
+                    scores[j] = z[v.eos].max() if v.eos else float("-inf")
+                elif tid is not None:
+                    scores[j] = z[tid]
+            p += wi * torch.softmax(scores.float(), dim=-1)  # (U,)
+        return strings, torch.log(p.clamp_min(1e-30))
+
+    async def stream_requests(self, reqs: list[GenerationRequest]) -> AsyncIterator[Delta]:
+        """Generate from per-member requests (each in its member's own tokenisation); the first sets sampling."""
+        lead = reqs[0].params
+        steps = min(check_context(len(r.prompt_ids), r.params, m.max_model_len) for r, m in zip(reqs, self.members))
+        stops = tuple(lead.stop) + tuple(dict.fromkeys(s for r in reqs for s in r.extra_stop))
+        for index in range(lead.n):  # choices one after another
+            seed = None if lead.seed is None else lead.seed + index
+            async for d in self._choice(index, reqs, steps, stops, make_generator(seed)):
+                yield d
+
+    async def _choice(self, index: int, reqs: list[GenerationRequest], max_tokens: int, stops: tuple[str, ...],
+                      generator: torch.Generator) -> AsyncIterator[Delta]:
+        params = reqs[0].params
+        sessions: list[Session] = []
+        try:
+            for m in self.members:
+                sessions.append(m.open_session())
+            alive = list(range(len(self.members)))
+            await asyncio.to_thread(lambda: [vocab_of(m.tokenizer) for m in self.members])  # first use: build maps
+            keep, logits = await step_members([s.prefill(r.prompt_ids) for s, r in zip(sessions, reqs)],
+                                              self.labels, self.skip, self.on_drop)
+            alive = [alive[k] for k in keep]
+            pieces: list[str] = []
+            assembler = TextAssembler(lambda ids: "".join(pieces[i] for i in ids), stops)
+            for produced in range(1, max_tokens + 1):
+                strings, logp = self.union_step(alive, logits)
+                j = sample(logp, params, generator, {})
+                lps = [self.logprob(strings, logp, j, params.top_logprobs)] if params.logprobs else []
+                if strings[j] == EOS and not params.ignore_eos:
+                    yield Delta(index, assembler.flush(), [j], lps, "stop")
+                    return
+                pieces.append("" if strings[j] == EOS else strings[j])
+                text = assembler.push(len(pieces) - 1)
+                if assembler.stopped or produced == max_tokens:
+                    finish = "stop" if assembler.stopped else "length"
+                    yield Delta(index, text + ("" if assembler.stopped else assembler.flush()), [j], lps, finish)
+                    return
+                yield Delta(index, text, [j], lps)
+                keep, logits = await step_members([self._feed(i, sessions[i], strings[j]) for i in alive],
+                                                  [self.labels[i] for i in alive], self.skip, self.on_drop)
+                alive = [alive[k] for k in keep]
+        finally:
+            for s in sessions:
+                s.close()
+
+    async def _feed(self, i: int, session: Session, s: str) -> torch.Tensor:
+        v = vocab_of(self.members[i].tokenizer)
+        ids = v.eos[:1] if s == EOS else v.pieces(s)
+        logits = None
+        for t in ids:
+            logits = await session.step(t)
+            self.fed[i] += 1
+        if logits is None:
+            raise RuntimeError(f"{s!r} tokenises to nothing")
+        return logits
+
+    @staticmethod
+    def logprob(strings: list[str], logp: torch.Tensor, j: int, k: int) -> TokenLogprob:
+        lp, top = logprob_info(logp, j, k)
+        return TokenLogprob(strings[j], j, lp, [TopLogprob(strings[t], v) for t, v in top])

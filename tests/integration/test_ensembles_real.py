@@ -1,0 +1,95 @@
+"""Every strategy on the real default models (SmolLM2 + Gemma-3), through the live server and the openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from ensembles.similarity import Embedder
+from tests.integration.conftest import GEMMA, SMOL
+
+pytestmark = pytest.mark.integration
+Q = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def ask(sdk: openai.OpenAI, model: str, ensemble: dict[str, Any] | None = None, **kw: Any) -> Any:
+    return sdk.chat.completions.create(model=model, messages=Q, extra_body={"ensemble": ensemble} if ensemble else None,
+                                       **kw)
+
+
+def test_named_default_ensembles_are_listed(sdk: openai.OpenAI) -> None:
+    cards = {m.id: m.model_extra.get("ensemble") for m in sdk.models.list()}
+    strategies = {c["strategy"] for c in cards.values() if c}
+    assert strategies == {"logit_average", "crowd_vote", "exchange_of_thought", "mixture_of_agents"}
+    assert cards["unite-default"]["members"] == [SMOL, GEMMA]
+
+
+def test_logit_average_of_smollm2_with_itself_over_http(sdk: openai.OpenAI) -> None:
+    single = ask(sdk, SMOL, temperature=0, max_tokens=24)
+    for space in ("probability", "logit"):
+        ens = ask(sdk, "average-default", {"space": space, "weights": [0.3, 0.7]}, temperature=0, max_tokens=24)
+        assert ens.choices[0].message.content == single.choices[0].message.content
+        assert ens.usage.completion_tokens == 2 * single.usage.completion_tokens
+
+
+@pytest.mark.parametrize(("weights", "alone"), [([1, 0], SMOL), ([0, 1], GEMMA)])
+def test_topk_union_with_one_weight_is_that_member(sdk: openai.OpenAI, weights: list[int], alone: str) -> None:
+    single = ask(sdk, alone, temperature=0, max_tokens=16)
+    ens = ask(sdk, "unite-default", {"weights": weights, "trace": True}, temperature=0, max_tokens=16)
+    assert ens.choices[0].message.content == single.choices[0].message.content
+    assert set(ens.model_extra["ensemble"]["usage_by_member"]) == {SMOL, GEMMA}
+
+
+def test_topk_union_of_both_models_streams(sdk: openai.OpenAI) -> None:
+    chunks = list(ask(sdk, "unite-default", temperature=0, max_tokens=16, stream=True,
+                      stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_embedding_cosine_matches_sentence_transformers(sdk: openai.OpenAI) -> None:
+    cands = ["Paris is the capital of France.", "The capital of France is Paris.", "France's capital city is Paris.",
+             "Bananas are yellow and grow in bunches."]
+    resp = ask(sdk, "vote-default", {"candidates": cands, "trace": True})
+    t = resp.model_extra["ensemble"]
+    assert resp.choices[0].message.content in cands[:3]
+    assert int(np.argmin(t["scores"])) == 3  # the outlier scores lowest
+    emb = Embedder.model().encode(cands, normalize_embeddings=True)
+    sim = emb @ emb.T
+    assert t["scores"] == pytest.approx((sim.sum(1) - np.diag(sim)).tolist(), abs=1e-5)
+
+
+def test_crowd_vote_from_members(sdk: openai.OpenAI) -> None:
+    resp = ask(sdk, "vote-default", {"trace": True}, max_tokens=24)
+    t = resp.model_extra["ensemble"]
+    assert len(t["candidates"]) == 3
+    assert resp.choices[0].message.content == t["candidates"][t["winner"]["index"]]["text"]
+    assert resp.usage.completion_tokens == sum(u["completion_tokens"] for u in t["usage_by_member"].values())
+
+
+def test_exchange_of_thought(sdk: openai.OpenAI) -> None:
+    q = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have now?"}]
+    resp = sdk.chat.completions.create(model="eot-default", messages=q, temperature=0, max_tokens=48,
+                                       extra_body={"ensemble": {"trace": True, "max_rounds": 1}})
+    t = resp.model_extra["ensemble"]
+    assert 1 <= len(t["rounds"]) <= 2 and t["reason"]
+    assert t["usage"]["calls"] == 3 * len(t["rounds"])
+    assert resp.choices[0].message.content
+
+
+def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
+    chunks = list(ask(sdk, "moa-default", {"trace": True}, temperature=0, max_tokens=32, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 2  # token by token
+    t = chunks[-1].model_extra["ensemble"]
+    assert len(t["layers"][0]) == 2 and t["winner"]["member"] == f"aggregator:{SMOL}"
+
+
+def test_logit_average_refuses_different_vocabularies(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="topk_union"):
+        ask(sdk, SMOL, {"strategy": "logit_average", "members": [SMOL, GEMMA]})
