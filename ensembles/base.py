@@ -165,6 +165,8 @@ class Call:
     usage: Usage = field(default_factory=Usage)
     trace: dict[str, Any] = field(default_factory=dict)
     by_member: dict[str, Usage] = field(default_factory=dict)
+    #: every member request made, in order (benchmarks replay them one by one)
+    requests: list[tuple[Member, GenerationRequest]] = field(default_factory=list)
 
     def request(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
                 **overrides: Any) -> GenerationRequest:
@@ -193,6 +195,7 @@ class Call:
                        **overrides: Any) -> Generation | None:
         """One member call. A failure raises `MemberFailed` (``fail``) or is noted in the trace (``skip``: None)."""
         req = self.request(member, messages, persona=persona, **overrides)
+        self.requests.append((member, req))
         try:
             gen = await member.engine.generate(req)
         except InvalidRequest:
@@ -207,6 +210,7 @@ class Call:
                      **overrides: Any) -> AsyncIterator[Delta]:
         """A member's output as it is made (for strategies that stream a member's answer, e.g. an aggregator)."""
         req = self.request(member, messages, persona=persona, **overrides)
+        self.requests.append((member, req))
         completion = 0
         stream = member.engine.stream(req)
         try:

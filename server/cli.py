@@ -88,6 +88,18 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def cmd_bench_ensembles(args: argparse.Namespace) -> int:
+    from clients.bench_ensembles import main as bench
+
+    return bench(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clients.eval import main as run_eval
+
+    return run_eval(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chorus", description="OpenAI-compatible LLM gateway with ensembles")
     sub = p.add_subparsers(dest="command", required=True)
@@ -120,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=3)
     be.add_argument("--skip-transformers-serve", action="store_true")
     be.set_defaults(func=cmd_bench_engine)
+    from clients.bench_ensembles import add_arguments
+
+    bs = with_config(b.add_parser("ensembles", help="ensemble overheads: logit averaging, ROUGE-L scoring, concurrency"))
+    add_arguments(bs)
+    bs.set_defaults(func=cmd_bench_ensembles)
+
+    from clients.eval import add_arguments as eval_arguments
+
+    ev = with_config(sub.add_parser("eval", help="accuracy of models and ensembles on a JSONL dataset, side by side"))
+    eval_arguments(ev)
+    ev.set_defaults(func=cmd_eval)
     return p
 
 

@@ -1,0 +1,214 @@
+"""`chorus eval`: accuracy of models and ensembles on your own data, side by side, through the HTTP API.
+
+Data: JSONL, one object per line with ``question`` and ``answer``; a GSM8K-style answer ("... #### 72")
+is reduced to what follows ``####``. Each system (``--model NAME`` or ``--ensemble JSON``, any number of
+each) answers every question through ``/v1/chat/completions``; the answer is extracted from the reply
+the way Exchange-of-Thought does ("the answer is X"; ``--answer choice`` for option letters), and the
+table shows accuracy, tokens, member calls and latency per system. Without ``--url`` a ``chorus serve``
+is started for the run (``--config`` picks its config) and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ensembles.answers import extract_answer
+
+INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
+
+
+@dataclass
+class System:
+    label: str
+    model: str
+    ensemble: dict[str, Any] | None = None
+
+
+@dataclass
+class Tally:
+    correct: int = 0
+    done: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    calls: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+def gold_answer(answer: Any, kind: str) -> str:
+    text = str(answer)
+    if "####" in text:
+        text = "The answer is " + text.split("####")[-1]
+    elif not text.lower().startswith("the answer is"):
+        text = "The answer is " + text
+    return extract_answer(text, kind)
+
+
+def load_data(path: Path, limit: int | None) -> list[tuple[str, str, Any]]:
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                rows.append((item["question"], item["answer"], item))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' and 'answer' ({exc})")
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def systems_from(args: argparse.Namespace) -> list[System]:
+    out = [System(m, m) for m in args.model or []]
+    for i, raw in enumerate(args.ensemble or []):
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"chorus eval: --ensemble is not JSON: {exc}")
+        label = spec.pop("label", None) or f"{spec.get('strategy', 'ensemble')}#{i + 1}"
+        members = spec.get("members") or [{"model": "ensemble"}]
+        first = members[0] if isinstance(members[0], str) else members[0].get("model", "ensemble")
+        out.append(System(label, first, {**spec, "trace": True}))
+    if not out:
+        raise SystemExit("chorus eval: give at least one --model or --ensemble")
+    return out
+
+
+async def ask(http: httpx.AsyncClient, system: System, question: str, args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": system.model, "temperature": args.temperature, "max_tokens": args.max_tokens,
+                            "messages": [{"role": "user", "content": f"{question}\n\n{args.instruction}"}]}
+    if system.ensemble is not None:
+        body["ensemble"] = system.ensemble
+    r = await http.post("/chat/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+async def run_system(http: httpx.AsyncClient, system: System, data: list[tuple[str, str, Any]],
+                     args: argparse.Namespace) -> Tally:
+    tally = Tally()
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def one(question: str, answer: str) -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            try:
+                resp = await ask(http, system, question, args)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                tally.failed += 1
+                print(f"  {system.label}: failed: {exc}", file=sys.stderr)
+                return
+            tally.latencies.append(time.perf_counter() - t0)
+        tally.done += 1
+        usage = resp.get("usage") or {}
+        tally.prompt_tokens += usage.get("prompt_tokens", 0)
+        tally.completion_tokens += usage.get("completion_tokens", 0)
+        trace = resp.get("ensemble")
+        tally.calls += trace["usage"]["calls"] if trace else 1
+        got = extract_answer(resp["choices"][0]["message"]["content"] or "", args.answer)
+        tally.correct += got != "" and got == gold_answer(answer, args.answer)
+
+    await asyncio.gather(*(one(q, a) for q, a, _ in data))
+    return tally
+
+
+def report(systems: list[System], tallies: list[Tally], n: int) -> str:
+    header = ["system", "accuracy", "answered", "completion tok/q", "total tok", "calls/q", "p50 s", "mean s"]
+    rows = []
+    for s, t in zip(systems, tallies):
+        lat = t.latencies or [0.0]
+        rows.append([s.label, f"{t.correct / n:.3f} ({t.correct}/{n})", f"{t.done}/{n}",
+                     f"{t.completion_tokens / max(t.done, 1):.0f}", str(t.prompt_tokens + t.completion_tokens),
+                     f"{t.calls / max(t.done, 1):.1f}", f"{statistics.median(lat):.1f}", f"{statistics.fmean(lat):.1f}"])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    if config:
+        cmd += ["--config", config]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"chorus eval: the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url + "/v1"
+        except httpx.HTTPError:
+            time.sleep(1)
+    proc.terminate()
+    raise SystemExit("chorus eval: the server did not come up within 600 s")
+
+
+async def _run(args: argparse.Namespace) -> str:
+    data = load_data(Path(args.data), args.limit)
+    if not data:
+        raise SystemExit(f"chorus eval: no questions in {args.data}")
+    systems = systems_from(args)
+    proc, url = (None, args.url) if args.url else start_server(args.config)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=args.timeout,
+                                     headers={"Authorization": f"Bearer {args.api_key}"}) as http:
+            cards = (await http.get("/models")).json().get("data", [])
+            named = {c["id"] for c in cards if c.get("ensemble")}
+            for s in systems:
+                if s.ensemble is None and s.model in named:
+                    s.ensemble = {"trace": True}  # a named ensemble: its trace tells the member calls
+            tallies = []
+            for s in systems:
+                print(f"{s.label}: {len(data)} questions ...", file=sys.stderr, flush=True)
+                tallies.append(await run_system(http, s, data, args))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return (f"{len(data)} questions from {args.data}; temperature {args.temperature}, max_tokens {args.max_tokens}\n"
+            + report(systems, tallies, len(data)))
+
+
+def main(args: argparse.Namespace) -> int:
+    print(asyncio.run(_run(args)))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="JSONL with 'question' and 'answer' per line (GSM8K works as is)")
+    p.add_argument("--model", action="append", help="a served model or named ensemble (repeatable)")
+    p.add_argument("--ensemble", action="append", help='an ensemble as JSON, e.g. \'{"strategy": "crowd_vote", '
+                                                      '"members": ["a", "b"], "label": "vote"}\' (repeatable)')
+    p.add_argument("--limit", type=int, help="first N questions")
+    p.add_argument("--answer", choices=["number", "choice"], default="number")
+    p.add_argument("--instruction", default=INSTRUCTION, help="appended to every question")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=4, help="questions in flight per system")
+    p.add_argument("--url", help="a running server's /v1 URL (default: start one for the run)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
