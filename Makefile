@@ -34,6 +34,7 @@ unit: install
 
 bench: models
 	$(BIN)/chorus bench engine
+	$(BIN)/chorus bench ensembles
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -121,6 +121,21 @@ async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: Tr
     assert smol_engine.active_sessions == 0
 
 
+async def test_concurrent_ensemble_requests_share_forward_passes(smol_engine: TransformersEngine) -> None:
+    """Three logit_average requests at once: 6 member sessions, all stepped by the same forwards."""
+    from ensembles.logit_average import LogitAverage
+
+    ens = LogitAverage([smol_engine, smol_engine])
+    reqs = [GenerationRequest(chat_ids(smol_engine, q), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            for q in QUESTIONS[:3]]
+    alone = [await ens.generate(r) for r in reqs]
+    steps0 = smol_engine.runner.steps
+    together = await asyncio.gather(*(ens.generate(r) for r in reqs))
+    assert [g.choices[0].token_ids for g in together] == [g.choices[0].token_ids for g in alone]
+    assert smol_engine.runner.steps - steps0 <= 12 + 3  # not 3 x 12: one forward per step for all six sessions
+    assert smol_engine.active_sessions == 0
+
+
 async def test_gemma_sliding_window_with_chunked_prefill_equals_full_forward(default_config) -> None:  # type: ignore[no-untyped-def]
     """A 562-token prompt: longer than Gemma 3's 512-token sliding window and than one prefill chunk."""
     from tests.integration.conftest import GEMMA

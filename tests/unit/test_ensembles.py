@@ -39,7 +39,8 @@ class Longest(Strategy):
 
 CONFIG = {
     "server": {"limits": {"max_n": 8}},
-    "models": [{"name": n, "engine": "fake"} for n in ("fake", "a42", "b42", "c7", "stub", "agg", "broken", "odd")],
+    "models": [{"name": n, "engine": "fake"}
+               for n in ("fake", "a42", "b42", "c7", "stub", "agg", "broken", "odd", "textonly")],
     "strategies": {"longest": "tests.unit.test_ensembles:Longest"},
     "ensembles": [
         {"name": "vote-test", "strategy": "crowd_vote", "members": ["a42", "b42", "c7"], "metric": "word_rouge_l"},
@@ -56,7 +57,10 @@ def fakes() -> dict[str, FakeEngine]:
     odd = FakeEngine("odd", max_model_len=4000)
     odd.tokenizer.vocab = list(odd.tokenizer.vocab)
     odd.tokenizer.vocab[0] = "~~"  # another vocabulary
+    textonly = FakeEngine("textonly", script="The answer is 42.", max_model_len=4000)
+    textonly.capabilities = frozenset({"text", "stream"})  # like a remote worker without full logits
     return {
+        "textonly": textonly,
         "fake": FakeEngine("fake", max_model_len=4000),
         "a42": FakeEngine("a42", script="Six times seven. The answer is 42.", max_model_len=4000),
         "b42": FakeEngine("b42", script="The answer is 42.", max_model_len=4000),
@@ -280,6 +284,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
     ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1, -1]}, "non-negative"),
     ({"strategy": "logit_average", "members": ["fake", "odd"]}, "odd differ from fake.*topk_union"),
     ({"strategy": "logit_average", "members": ["fake", {"model": "fake", "system": "pirate"}]}, "per-member system"),
+    ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "needs members with logits.*lack it: textonly"),
     ({"strategy": "exchange_of_thought", "members": ["a42", "b42"], "answer_pattern": "("}, "regular expression"),
     ({"members": ["a42", "b42"]}, "strategy"),
     ({"strategy": "crowd_vote", "members": "a42"}, "members"),
@@ -288,6 +293,11 @@ def test_bad_ensembles_are_400(client: openai.OpenAI, ensemble: dict[str, Any], 
     with pytest.raises(openai.BadRequestError, match=match) as err:
         chat(client, ensemble)
     assert err.value.body["param"].startswith("ensemble")
+
+
+def test_text_strategies_work_without_logits(client: openai.OpenAI) -> None:
+    resp = chat(client, {"strategy": "crowd_vote", "members": ["textonly", "b42"], "metric": "char_rouge_l"})
+    assert resp.choices[0].message.content == "The answer is 42."
 
 
 def test_n_above_one_needs_a_token_level_strategy(client: openai.OpenAI) -> None:
