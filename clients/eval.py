@@ -1,7 +1,8 @@
 """`chorus eval`: accuracy of models and ensembles on your own data, side by side, through the HTTP API.
 
-Data: JSONL, one object per line with ``question`` and ``answer``; a GSM8K-style answer ("... #### 72")
-is reduced to what follows ``####``. Each system (``--model NAME`` or ``--ensemble JSON``, any number of
+Data: JSONL, one object per line with ``question`` and (optionally) ``answer``; a GSM8K-style answer
+("... #### 72") is reduced to what follows ``####``. A ``route`` field names the member that should
+answer (for routing strategies: the table then shows how often the router chose it). Each system (``--model NAME`` or ``--ensemble JSON``, any number of
 each) answers every question through ``/v1/chat/completions``; the answer is extracted from the reply
 the way Exchange-of-Thought does ("the answer is X"; ``--answer choice`` for option letters), and the
 table shows accuracy, tokens, member calls and latency per system. Without ``--url`` a ``chorus serve``
@@ -46,6 +47,10 @@ class Tally:
     completion_tokens: int = 0
     calls: int = 0
     latencies: list[float] = field(default_factory=list)
+    graded: int = 0
+    routed: int = 0
+    routed_right: int = 0
+    answered_by: dict[str, int] = field(default_factory=dict)
 
 
 def gold_answer(answer: Any, kind: str) -> str:
@@ -57,7 +62,7 @@ def gold_answer(answer: Any, kind: str) -> str:
     return extract_answer(text, kind)
 
 
-def load_data(path: Path, limit: int | None) -> list[tuple[str, str, Any]]:
+def load_data(path: Path, limit: int | None) -> list[tuple[str, Any, Any]]:
     rows = []
     with path.open() as f:
         for n, line in enumerate(f, 1):
@@ -65,9 +70,9 @@ def load_data(path: Path, limit: int | None) -> list[tuple[str, str, Any]]:
                 continue
             try:
                 item = json.loads(line)
-                rows.append((item["question"], item["answer"], item))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' and 'answer' ({exc})")
+                rows.append((item["question"], item.get("answer"), item))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' (and 'answer') ({exc})")
             if limit is not None and len(rows) >= limit:
                 break
     return rows
@@ -100,12 +105,12 @@ async def ask(http: httpx.AsyncClient, system: System, question: str, args: argp
     return r.json()
 
 
-async def run_system(http: httpx.AsyncClient, system: System, data: list[tuple[str, str, Any]],
+async def run_system(http: httpx.AsyncClient, system: System, data: list[tuple[str, Any, Any]],
                      args: argparse.Namespace) -> Tally:
     tally = Tally()
     gate = asyncio.Semaphore(args.concurrency)
 
-    async def one(question: str, answer: str) -> None:
+    async def one(question: str, answer: Any, item: dict[str, Any]) -> None:
         async with gate:
             t0 = time.perf_counter()
             try:
@@ -121,21 +126,33 @@ async def run_system(http: httpx.AsyncClient, system: System, data: list[tuple[s
         tally.completion_tokens += usage.get("completion_tokens", 0)
         trace = resp.get("ensemble")
         tally.calls += trace["usage"]["calls"] if trace else 1
-        got = extract_answer(resp["choices"][0]["message"]["content"] or "", args.answer)
-        tally.correct += got != "" and got == gold_answer(answer, args.answer)
+        chosen = ((trace or {}).get("winner") or {}).get("member") or system.model
+        tally.answered_by[chosen] = tally.answered_by.get(chosen, 0) + 1
+        if item.get("route") is not None:
+            tally.routed += 1
+            tally.routed_right += chosen == item["route"]
+        if answer is not None:
+            tally.graded += 1
+            got = extract_answer(resp["choices"][0]["message"]["content"] or "", args.answer)
+            tally.correct += got != "" and got == gold_answer(answer, args.answer)
 
-    await asyncio.gather(*(one(q, a) for q, a, _ in data))
+    await asyncio.gather(*(one(q, a, item) for q, a, item in data))
     return tally
 
 
 def report(systems: list[System], tallies: list[Tally], n: int) -> str:
-    header = ["system", "accuracy", "answered", "completion tok/q", "total tok", "calls/q", "p50 s", "mean s"]
+    header = ["system", "accuracy", "answered", "completion tok/q", "total tok", "calls/q", "p50 s", "mean s",
+              "route choice", "answered by"]
     rows = []
     for s, t in zip(systems, tallies):
         lat = t.latencies or [0.0]
-        rows.append([s.label, f"{t.correct / n:.3f} ({t.correct}/{n})", f"{t.done}/{n}",
+        acc = f"{t.correct / t.graded:.3f} ({t.correct}/{t.graded})" if t.graded else "-"
+        route = f"{t.routed_right / t.routed:.3f} ({t.routed_right}/{t.routed})" if t.routed else "-"
+        by = ", ".join(f"{k} {v}" for k, v in sorted(t.answered_by.items(), key=lambda kv: -kv[1]))
+        rows.append([s.label, acc, f"{t.done}/{n}",
                      f"{t.completion_tokens / max(t.done, 1):.0f}", str(t.prompt_tokens + t.completion_tokens),
-                     f"{t.calls / max(t.done, 1):.1f}", f"{statistics.median(lat):.1f}", f"{statistics.fmean(lat):.1f}"])
+                     f"{t.calls / max(t.done, 1):.1f}", f"{statistics.median(lat):.1f}", f"{statistics.fmean(lat):.1f}",
+                     route, by])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])

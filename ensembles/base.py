@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
 from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
 from engines.generation import check_context, collect
+from ensembles.metrics import ENSEMBLE_REQUESTS
 from ensembles.spec import EnsembleSpec, MemberSpec
 
 T = TypeVar("T")
@@ -36,6 +37,8 @@ STRATEGIES: dict[str, str] = {
     "exchange_of_thought": "ensembles.exchange_of_thought:ExchangeOfThought",
     "crowd_vote": "ensembles.crowd_vote:CrowdVote",
     "mixture_of_agents": "ensembles.mixture_of_agents:MixtureOfAgents",
+    "route": "ensembles.route:Route",
+    "cascade": "ensembles.cascade:Cascade",
 }
 
 
@@ -274,8 +277,10 @@ class Strategy:
     default_on_member_error: ClassVar[str] = "skip"
     min_members: ClassVar[int] = 2
 
-    def __init__(self, name: str, members: list[Member], params: Any, engines: dict[str, Engine]) -> None:
+    def __init__(self, name: str, members: list[Member], params: Any, engines: dict[str, Engine],
+                 ensemble: str | None = None) -> None:
         self.name = name
+        self.ensemble = ensemble or f"inline:{name}"  # the named ensemble, for metrics and logs
         self.members = members
         self.params = params
         self.engines = engines
@@ -287,6 +292,9 @@ class Strategy:
 
     def check(self) -> None:
         """Strategy-specific validation (raise `InvalidRequest`); called once when the ensemble is built."""
+
+    async def warm(self) -> None:
+        """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""
 
     def precheck(self, call: Call) -> None:
         """Validation that needs the request (context lengths): runs before any member is called."""
@@ -316,7 +324,7 @@ class Ensemble:
         return self.strategy.members[0].engine if self.strategy.members else None
 
     @classmethod
-    def build(cls, spec: EnsembleSpec, engines: dict[str, Engine]) -> Ensemble:
+    def build(cls, spec: EnsembleSpec, engines: dict[str, Engine], name: str | None = None) -> Ensemble:
         klass = strategy_class(spec.strategy)
         try:
             params = klass.Params.model_validate(spec.params)
@@ -336,7 +344,7 @@ class Ensemble:
             raise CapabilityMismatch(
                 f"Ensemble strategy {spec.strategy!r} needs members with {', '.join(sorted(klass.requires))}; "
                 f"these members lack it: {', '.join(lacking)}.", param="ensemble.members")
-        return cls(spec, klass(spec.strategy, members, params, engines))
+        return cls(spec, klass(spec.strategy, members, params, engines, name or getattr(spec, "name", None)))
 
     def call(self, prompt: Prompt, sampling: Callable[[dict[str, float]], SamplingParams], *, n: int = 1,
              logprobs: bool = False) -> Call:
@@ -350,6 +358,10 @@ class Ensemble:
         s.precheck(call)
         return call
 
+    def stream(self, call: Call) -> AsyncIterator[Delta]:
+        ENSEMBLE_REQUESTS.labels(self.strategy.ensemble, self.spec.strategy).inc()
+        return self.strategy.stream(call)
+
     async def run(self, call: Call) -> Generation:
-        choices = await collect(self.strategy.stream(call), call.logprobs)
+        choices = await collect(self.stream(call), call.logprobs)
         return Generation(choices, call.usage.prompt_tokens, call.usage.completion_tokens)

@@ -70,10 +70,16 @@ class Embedder:
             return cls._model
 
     @classmethod
-    def cosine(cls, texts: Sequence[str]) -> np.ndarray:
+    def embed(cls, texts: Sequence[str]) -> np.ndarray:
+        """Unit-length embeddings, one batch. (M, 384) float64."""
         emb = cls.model().encode(list(texts), batch_size=max(len(texts), 1), normalize_embeddings=True,
-                                 convert_to_numpy=True, show_progress_bar=False)  # (M, 384)
-        return np.asarray(emb @ emb.T, dtype=np.float64)
+                                 convert_to_numpy=True, show_progress_bar=False)
+        return np.asarray(emb, dtype=np.float64)
+
+    @classmethod
+    def cosine(cls, texts: Sequence[str]) -> np.ndarray:
+        emb = cls.embed(texts)  # (M, 384)
+        return emb @ emb.T
 
 
 def similarity(metric: str, texts: Sequence[str]) -> np.ndarray:

@@ -50,6 +50,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
             await engine.start()
         app.state.engines = loaded
         app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in config.ensembles}
+        for ensemble in app.state.ensembles.values():
+            await ensemble.strategy.warm()
         try:
             yield
         finally:

@@ -100,6 +100,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def cmd_route_calibrate(args: argparse.Namespace) -> int:
+    from clients.route_calibrate import main as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chorus", description="OpenAI-compatible LLM gateway with ensembles")
     sub = p.add_subparsers(dest="command", required=True)
@@ -143,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev = with_config(sub.add_parser("eval", help="accuracy of models and ensembles on a JSONL dataset, side by side"))
     eval_arguments(ev)
     ev.set_defaults(func=cmd_eval)
+
+    from clients.route_calibrate import add_arguments as calibrate_arguments
+
+    r = sub.add_parser("route", help="routing tools").add_subparsers(dest="route_cmd", required=True)
+    rc = with_config(r.add_parser("calibrate", help="cost-router thresholds for target shares of calls"))
+    calibrate_arguments(rc)
+    rc.set_defaults(func=cmd_route_calibrate)
     return p
 
 

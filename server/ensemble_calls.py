@@ -37,7 +37,7 @@ def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:
         where = ".".join(str(p) for p in err["loc"])
         raise InvalidRequest(f"Invalid 'ensemble' object: {where or 'ensemble'}: {err['msg']}.",
                              param="ensemble" + (f".{where}" if where else "")) from None
-    return Ensemble.build(spec, request.app.state.engines)
+    return Ensemble.build(spec, request.app.state.engines, name=req.model if base is not None else None)
 
 
 def fingerprint(ensemble: Ensemble) -> str:
@@ -60,7 +60,7 @@ async def deltas_for(request: Request, ensemble: Ensemble, call: Call) -> AsyncI
     """The strategy's stream. Token-level strategies produce their first token before the first byte is
     sent (so their errors are HTTP errors); text-level ones start the SSE stream at once (pings keep it
     open while members work) and report a failure as the final error event."""
-    stream = ensemble.strategy.stream(call)
+    stream = ensemble.stream(call)
     if ensemble.strategy.token_level:
         return await until_disconnect(request, first_and_rest(stream))
     return stream

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.base import Engine
 from engines.errors import InvalidRequest, ModelNotFound
@@ -62,6 +63,12 @@ def fingerprint(engine: Engine) -> str:
 async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok", "models": {n: e.stats() for n, e in engines(request).items()},
             "ensembles": sorted(ensembles(request))}
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus exposition: ensemble requests, router decisions, cascade steps."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

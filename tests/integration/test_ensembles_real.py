@@ -23,7 +23,7 @@ def ask(sdk: openai.OpenAI, model: str, ensemble: dict[str, Any] | None = None, 
 def test_named_default_ensembles_are_listed(sdk: openai.OpenAI) -> None:
     cards = {m.id: m.model_extra.get("ensemble") for m in sdk.models.list()}
     strategies = {c["strategy"] for c in cards.values() if c}
-    assert strategies == {"logit_average", "crowd_vote", "exchange_of_thought", "mixture_of_agents"}
+    assert strategies == {"logit_average", "crowd_vote", "exchange_of_thought", "mixture_of_agents", "route", "cascade"}
     assert cards["unite-default"]["members"] == [SMOL, GEMMA]
 
 
@@ -93,3 +93,25 @@ def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
 def test_logit_average_refuses_different_vocabularies(sdk: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="topk_union"):
         ask(sdk, SMOL, {"strategy": "logit_average", "members": [SMOL, GEMMA]})
+
+
+@pytest.mark.parametrize(("model", "text", "member"), [
+    ("route-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", GEMMA),
+    ("route-default", "Hi! What's a nice thing to do on a rainy afternoon?", SMOL),
+    ("cost-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", GEMMA),
+    ("cost-default", "Hi! What's a nice thing to do on a rainy afternoon?", SMOL),
+])
+def test_default_routers(sdk: openai.OpenAI, model: str, text: str, member: str) -> None:
+    resp = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], max_tokens=8,
+                                       temperature=0, extra_body={"ensemble": {"trace": True}})
+    assert resp.model_extra["ensemble"]["winner"]["member"] == member
+    assert resp.usage.completion_tokens > 0
+
+
+def test_default_cascade(sdk: openai.OpenAI) -> None:
+    resp = ask(sdk, "cascade-default", {"trace": True}, temperature=0, max_tokens=16)
+    t = resp.model_extra["ensemble"]
+    assert t["steps"][0]["member"] == SMOL and t["winner"]["member"] in (SMOL, GEMMA)
+    assert t["usage"]["calls"] == len(t["steps"])
+    forced = ask(sdk, "cascade-default", {"trace": True, "threshold": -0.0001}, temperature=0, max_tokens=16)
+    assert [s["member"] for s in forced.model_extra["ensemble"]["steps"]] == [SMOL, GEMMA]

@@ -28,8 +28,8 @@ def test_gold_answers() -> None:
 
 def test_bad_data_is_reported(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q"}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:1: need a JSON object with 'question' and 'answer'"):
+    bad.write_text('{"answer": "1"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: need a JSON object with 'question'"):
         load_data(bad, None)
 
 
@@ -48,7 +48,7 @@ def test_eval_compares_models_and_ensembles(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=True).stdout
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "accuracy" not in line}
-    assert rows["right"][:2] == ["0.667 (2/3)", "3/3"] and rows["right"][4] == "1.0"
+    assert rows["right"][:2] == ["0.667 (2/3)", "3/3"] and rows["right"][4] == "1.0" and rows["right"][8] == "right 3"
     assert rows["wrong"][0] == "0.000 (0/3)"
     assert rows["vote"][0] == "0.667 (2/3)" and rows["vote"][4] == "3.0"  # three member calls per question
     assert rows["eot"][0] == "0.667 (2/3)" and rows["eot"][4] == "9.0"  # 18 / 7 / 18 never agree: 3 rounds
