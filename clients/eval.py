@@ -169,7 +169,7 @@ def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
     if config:
         cmd += ["--config", config]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=sys.stderr)  # stdout is for the table
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

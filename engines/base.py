@@ -20,7 +20,7 @@ LOGITS = "logits"
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What the sampler does with next-token logits. ``temperature == 0`` means greedy."""
+    """What the sampler does with next-token logits. ``temperature == 0`` (or below 1e-5) means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -37,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < 1e-5  # tinier temperatures overflow logits / T: the same as greedy
 
 
 @dataclass

@@ -7,12 +7,15 @@ The server turns each into the OpenAI error envelope in one place (server/errors
      │    ├── ContextLengthExceeded   400 code=context_length_exceeded
      │    └── CapabilityMismatch      400 code=capability_mismatch
      ├── AuthenticationFailed         401 authentication_error
+     ├── PermissionDenied             403 permission_error        (the key may not use that model)
      ├── ModelNotFound                404 code=model_not_found
      ├── RequestTooLarge              413 code=request_too_large
-     ├── RateLimited                  429 rate_limit_exceeded
+     ├── RateLimited                  429 rate_limit_exceeded     (retry_after: seconds)
      ├── EngineFailed                 500 server_error
      │    └── MemberFailed            502 code=member_failed      (an ensemble member failed)
+     ├── DeadlineExceeded             504 code=deadline_exceeded
      └── EngineUnavailable            503 code=engine_unavailable
+          └── Overloaded              503 code=server_overloaded  (admission limit; retry_after)
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class AuthenticationFailed(GatewayError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "model_not_allowed"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -69,6 +78,16 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_exceeded"
     code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kw: str | None) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(GatewayError):
+    status = 504
+    type = "timeout"
+    code = "deadline_exceeded"
 
 
 class EngineFailed(GatewayError):
@@ -88,3 +107,13 @@ class EngineUnavailable(GatewayError):
     status = 503
     type = "server_error"
     code = "engine_unavailable"
+
+
+class Overloaded(EngineUnavailable):
+    """The server-wide admission limit is reached: refused before any work starts."""
+
+    code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -304,6 +304,10 @@ class Strategy:
     def stream(self, call: Call) -> AsyncIterator[Delta]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def models(self) -> list[str]:
+        """Every served model this strategy calls (a key must be allowed all of them for an inline ensemble)."""
+        return [m.spec.model for m in self.members]
+
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "members": [{"label": m.label, "model": m.spec.model} for m in self.members]}
 

@@ -53,6 +53,9 @@ class MixtureOfAgents(Strategy):
         super().precheck(call)
         call.request(self.aggregator)
 
+    def models(self) -> list[str]:
+        return [*super().models(), self.aggregator.spec.model]
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "aggregator": {"label": self.aggregator.label, "model": self.aggregator.spec.model}}
 

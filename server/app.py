@@ -13,8 +13,11 @@ from engines.base import Engine
 from engines.spec import ModelSpec
 from ensembles.base import Ensemble
 from server import errors
-from server.config import ChorusConfig
+from server.auth import KeyStore
+from server.config import ChorusConfig, Settings
+from server.gateway import Door, Gateway
 from server.limits import BodyLimit
+from server.metrics import watch_engines
 from server.routes import router
 
 log = logging.getLogger("chorus.server")
@@ -35,7 +38,7 @@ def build_engine(spec: ModelSpec) -> Engine:
 
 
 def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
-               engine_factory: Callable[[ModelSpec], Engine] = build_engine) -> FastAPI:
+               engine_factory: Callable[[ModelSpec], Engine] = build_engine, api_keys: str | None = None) -> FastAPI:
     """Build the gateway. ``engines`` injects ready engines (tests); otherwise each model is loaded at start-up."""
 
     @asynccontextmanager
@@ -67,4 +70,9 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
     errors.install(app)
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
+    keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
+    app.state.keys = keys
+    app.state.door = Door()
+    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, door=app.state.door)  # outermost
+    watch_engines(lambda: app.state.engines)
     return app

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+import time
 
 from server.config import ConfigError, Settings, load_config
 
@@ -16,19 +18,32 @@ def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         sys.exit(f"chorus: {exc}")
 
 
+def configure_logging(json_format: bool, level: str) -> None:
+    """One JSON object per line (request id, status, latency, key, model, usage) or plain text."""
+    handler = logging.StreamHandler()
+    if json_format:
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engines.prepare import prepare_model
+    from engines.errors import GatewayError
+    from engines.prepare import is_prepared, prepare_model
     from server.app import create_app
 
     config = _config(args)
     env = Settings()
     host = args.host or env.host or config.server.host
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
-    from engines.errors import GatewayError
-    from engines.prepare import is_prepared
-
     for spec in config.models:
         if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
@@ -36,10 +51,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
             prepare_model(spec)
         except GatewayError as exc:
             sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
     app = create_app(config)
+    if not app.state.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "
+              "auth.keys (chorus keys hash) or CHORUS_API_KEYS to serve other hosts", file=sys.stderr, flush=True)
+        host = "127.0.0.1"
+    elif not app.state.keys.enabled:
+        print("chorus: no API keys configured: open to local clients only (127.0.0.1)", file=sys.stderr, flush=True)
     print(f"chorus: serving {', '.join(m.name for m in config.models)} on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=10)
+
+    grace = config.server.shutdown_grace_s
+
+    class Server(uvicorn.Server):
+        """SIGTERM: stop admitting (/health 503 draining, /v1 503), let in-flight requests finish for up to
+        ``shutdown_grace_s``, then stop (uvicorn cancels what is left). A second signal stops at once."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            door = app.state.door
+            if door.draining:
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+                return
+            door.draining = True
+            print(f"chorus: draining: {door.inflight} request(s) in flight, up to {grace:g} s", file=sys.stderr,
+                  flush=True)
+
+            def drain() -> None:
+                deadline = time.monotonic() + grace
+                while door.inflight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                super(Server, self).handle_exit(sig, frame)  # type: ignore[arg-type]
+
+            threading.Thread(target=drain, name="chorus-drain", daemon=True).start()
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level or config.server.log.level,
+                          access_log=False, timeout_graceful_shutdown=max(1, int(grace)),
+                          log_config=None)).run()
+    return 0
+
+
+def cmd_keys_hash(args: argparse.Namespace) -> int:
+    import getpass
+    import secrets
+
+    from server.auth import hash_key
+
+    raw = args.key or (secrets.token_urlsafe(32) if args.generate else getpass.getpass("API key: "))
+    if args.generate and not args.key:
+        print(f"key:    {raw}   (give this to the client; it is not stored)")
+    print(f"sha256: {hash_key(raw)}")
     return 0
 
 
@@ -117,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = with_config(sub.add_parser("serve", help="run the gateway"))
     s.add_argument("--host")
     s.add_argument("--port", type=int)
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", help="default: server.log.level in the config")
     s.add_argument("--no-prepare", action="store_true", help="fail instead of preparing missing models")
     s.set_defaults(func=cmd_serve)
 
@@ -156,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     rc = with_config(r.add_parser("calibrate", help="cost-router thresholds for target shares of calls"))
     calibrate_arguments(rc)
     rc.set_defaults(func=cmd_route_calibrate)
+    k = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_cmd", required=True)
+    kh = k.add_parser("hash", help="print the SHA-256 to put under auth.keys (the raw key is never stored)")
+    kh.add_argument("--key", help="the key (default: prompt for it)")
+    kh.add_argument("--generate", action="store_true", help="make a new random key")
+    kh.set_defaults(func=cmd_keys_hash)
     return p
 
 

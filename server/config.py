@@ -1,7 +1,8 @@
 """The one config file (YAML, validated at start-up) and environment settings.
 
 Environment (pydantic-settings, prefix ``CHORUS_``): ``CHORUS_HOME`` (cache directory),
-``CHORUS_CONFIG`` (config file), ``CHORUS_HOST`` and ``CHORUS_PORT`` (override the file).
+``CHORUS_CONFIG`` (config file), ``CHORUS_HOST`` and ``CHORUS_PORT`` (override the file),
+``CHORUS_API_KEYS`` (extra keys, ``name:key,...``; hashed at start-up).
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ class Limits(BaseModel):
     max_body_bytes: int = Field(default=4 * 2**20, ge=1024)
     max_n: int = Field(default=16, ge=1)
     max_tokens: int | None = Field(default=None, ge=1, description="cap on max_tokens per request")
+    max_messages: int = Field(default=512, ge=1, description="messages per chat request")
+    max_members: int = Field(default=16, ge=2, description="members per ensemble")
+    max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
+    max_candidates: int = Field(default=64, ge=1, description="crowd_vote candidates (given or sampled)")
+    max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="deadline per request (X-Chorus-Timeout lowers it)")
+
+
+class LogSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    json_format: bool = Field(default=True, alias="json", description="one JSON object per line")
+    level: str = "info"
+    prompts: bool = Field(default=False, description="log prompt text (off: only sizes)")
 
 
 class ServerSection(BaseModel):
@@ -35,6 +50,27 @@ class ServerSection(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     limits: Limits = Field(default_factory=Limits)
+    log: LogSection = Field(default_factory=LogSection)
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
+
+
+class ApiKey(BaseModel):
+    """One API key, stored as its SHA-256 (`chorus keys hash` prints it); the raw key is never kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    models: list[str] | None = Field(default=None, description="models and ensembles it may use (default: all)")
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute")
+    tpm: int | None = Field(default=None, ge=1, description="tokens (prompt + completion) per minute")
+    max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight at once")
+
+
+class AuthSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[ApiKey] = Field(default_factory=list)
 
 
 class ChorusConfig(BaseModel):
@@ -42,6 +78,7 @@ class ChorusConfig(BaseModel):
 
     server: ServerSection = Field(default_factory=ServerSection)
     models: list[ModelSpec] = Field(min_length=1)
+    auth: AuthSection = Field(default_factory=AuthSection)
     strategies: dict[str, str] = Field(default_factory=dict, description='third-party strategies: name -> "module:Class"')
     ensembles: list[NamedEnsemble] = Field(default_factory=list, description="named ensembles, served as models")
 
@@ -51,6 +88,18 @@ class ChorusConfig(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model and ensemble names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _keys(self) -> ChorusConfig:
+        served = {m.name for m in self.models} | {e.name for e in self.ensembles}
+        for key in self.auth.keys:
+            unknown = sorted(set(key.models or ()) - served)
+            if unknown:
+                raise ValueError(f"API key {key.name!r} allows unknown models: {', '.join(unknown)}")
+        names = [k.name for k in self.auth.keys]
+        if len(set(names)) != len(names):
+            raise ValueError("API key names must be unique")
         return self
 
     @model_validator(mode="after")
@@ -86,6 +135,8 @@ class Settings(BaseSettings):
     config: Path | None = None
     host: str | None = None
     port: int | None = None
+    #: extra API keys, comma separated, each ``name:key`` or ``key``; hashed at start-up, no per-key limits
+    api_keys: str | None = None
 
 
 class ConfigError(Exception):

@@ -20,6 +20,7 @@ from engines.errors import InvalidRequest
 from ensembles.base import Call, Ensemble, Prompt
 from ensembles.spec import EnsembleSpec
 from server import protocol as P
+from server.accounting import first_token, served_by, settle
 from server.events import chat_events, completion_events, first_and_rest
 from server.streaming import sse_response, until_disconnect
 
@@ -62,7 +63,9 @@ async def deltas_for(request: Request, ensemble: Ensemble, call: Call) -> AsyncI
     open while members work) and report a failure as the final error event."""
     stream = ensemble.stream(call)
     if ensemble.strategy.token_level:
-        return await until_disconnect(request, first_and_rest(stream))
+        first = await until_disconnect(request, first_and_rest(stream))
+        first_token(request, request.state.model)
+        return first
     return stream
 
 
@@ -70,14 +73,44 @@ def usage_of(call: Call) -> Callable[[int], dict[str, int]]:
     return lambda _completion: P.usage(call.usage.prompt_tokens, call.usage.completion_tokens)
 
 
+def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
+    """The key's allow-list (a named ensemble is one name; an inline one is every model it uses) and the
+    server's ensemble limits."""
+    named = req.model in request.app.state.ensembles
+    served_by(request, req.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
+              uses=() if named else ensemble.strategy.models())
+    check_limits(request.app.state.config.server.limits, ensemble)
+
+
+def check_limits(limits: Any, ensemble: Ensemble) -> None:
+    members = len(ensemble.strategy.members)
+    if members > limits.max_members:
+        raise InvalidRequest(f"At most {limits.max_members} ensemble members on this server (got {members}).",
+                             param="ensemble.members")
+    p = ensemble.strategy.params
+    rounds = getattr(p, "max_rounds", None)
+    if rounds is not None and rounds > limits.max_rounds:
+        raise InvalidRequest(f"'max_rounds' must be at most {limits.max_rounds} on this server.",
+                             param="ensemble.max_rounds")
+    given = len(getattr(p, "candidates", None) or [])
+    sampled = getattr(p, "samples_per_member", 0) * members if getattr(p, "candidates", None) is None else 0
+    if max(given, sampled) > limits.max_candidates:
+        raise InvalidRequest(f"At most {limits.max_candidates} crowd_vote candidates on this server "
+                             f"(got {max(given, sampled)}).", param="ensemble.candidates")
+
+
 async def chat(request: Request, req: P.ChatCompletionRequest, ensemble: Ensemble) -> Any:
+    admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
     head = P.ResponseHead("chatcmpl", req.model, fingerprint(ensemble))
     if not req.stream:
         gen = await until_disconnect(request, ensemble.run(call))
-        return {**P.chat_response(head, gen), **trailer(ensemble, call)}
+        body = {**P.chat_response(head, gen), **trailer(ensemble, call)}
+        settle(request, request.state.model, body["usage"])
+        return body
     deltas = await deltas_for(request, ensemble, call)
-    return sse_response(chat_events(head, deltas, req, usage_of(call), lambda: trailer(ensemble, call)))
+    return sse_response(chat_events(head, deltas, req, usage_of(call), lambda: trailer(ensemble, call),
+                                    settle=lambda u: settle(request, request.state.model, u)), request)
 
 
 async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensemble) -> Any:
@@ -85,6 +118,7 @@ async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensem
     if len(prompts) != 1 or not isinstance(prompts[0], str):
         raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
                              param="prompt")
+    admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(text=prompts[0]))
     head = P.ResponseHead("cmpl", req.model, fingerprint(ensemble))
     echo = prompts[0] if req.echo else ""
@@ -93,8 +127,10 @@ async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensem
         choices = [P.completion_choice(c.index, echo + c.text, c.finish_reason,
                                        P.completion_logprobs(c.logprobs, len(echo)) if c.logprobs is not None else None)
                    for c in gen.choices]
-        return {**P.completion_response(head, choices, gen.prompt_tokens, gen.completion_tokens),
+        body = {**P.completion_response(head, choices, gen.prompt_tokens, gen.completion_tokens),
                 **trailer(ensemble, call)}
+        settle(request, request.state.model, body["usage"])
+        return body
     deltas = await deltas_for(request, ensemble, call)
-    return sse_response(completion_events(head, [deltas], [echo], req, usage_of(call),
-                                          lambda: trailer(ensemble, call)))
+    return sse_response(completion_events(head, [deltas], [echo], req, usage_of(call), lambda: trailer(ensemble, call),
+                                          settle=lambda u: settle(request, request.state.model, u)), request)

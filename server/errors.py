@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +24,11 @@ def envelope(status: int, message: str, type_: str, param: str | None = None, co
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def retry_headers(exc: GatewayError) -> dict[str, str] | None:
+    after = getattr(exc, "retry_after", None)
+    return {"Retry-After": str(max(1, math.ceil(after)))} if after is not None else None
+
+
 def validation_param(loc: tuple[object, ...]) -> str | None:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
     parts = [p for p in loc if p != "body"]
@@ -40,7 +46,7 @@ def install(app: FastAPI) -> None:
     async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
         if exc.status >= 500:
             log.error("request failed: %s", exc.message)
-        return envelope(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, headers=retry_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -35,8 +35,10 @@ async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
 
 async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P.ChatCompletionRequest,
                       usage: Callable[[int], dict[str, int]],
-                      trailer: Callable[[], dict[str, Any]] | None = None) -> AsyncIterator[dict[str, Any]]:
-    """Chat chunks: the role, the deltas, then (if asked) usage and an ensemble's trace on a last chunk."""
+                      trailer: Callable[[], dict[str, Any]] | None = None,
+                      settle: Callable[[dict[str, int]], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks: the role, the deltas, then (if asked) usage and an ensemble's trace on a last chunk.
+    ``settle`` gets the usage when the stream ends, however it ends (token accounting)."""
     usage_null = {"usage": None} if req.include_usage else {}
     for i in range(req.n):
         yield {**P.chat_chunk(head, None, index=i), **usage_null}
@@ -48,6 +50,8 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P
                 yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
     finally:
         await deltas.aclose()  # type: ignore[attr-defined]  # frees the sessions now, not at GC
+        if settle is not None:
+            settle(usage(completion))
     last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
     if last:
         yield {**head.base("chat.completion.chunk"), "choices": [], **last}
@@ -55,7 +59,8 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P
 
 async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[Delta]], echoes: list[str],
                             req: P.CompletionRequest, usage: Callable[[int], dict[str, int]],
-                            trailer: Callable[[], dict[str, Any]] | None = None) -> AsyncIterator[dict[str, Any]]:
+                            trailer: Callable[[], dict[str, Any]] | None = None,
+                            settle: Callable[[dict[str, int]], None] | None = None) -> AsyncIterator[dict[str, Any]]:
     """Text-completion chunks of several prompts' streams, interleaved as they come."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
@@ -95,3 +100,5 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[De
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if settle is not None:
+            settle(usage(completion))

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.base import Engine
@@ -15,6 +15,7 @@ from engines.generation import check_context
 from ensembles.base import Ensemble
 from server import ensemble_calls
 from server import protocol as P
+from server.accounting import first_token, served_by, settle
 from server.events import chat_events, completion_events, first_and_rest
 from server.streaming import sse_response, until_disconnect
 
@@ -48,6 +49,8 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
 
 def apply_limits(request: Request, req: P._Sampling) -> None:
     limits = request.app.state.config.server.limits
+    if isinstance(req, P.ChatCompletionRequest) and len(req.messages) > limits.max_messages:
+        raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.", param="messages")
     if req.n > limits.max_n:
         raise InvalidRequest(f"'n' must be at most {limits.max_n} on this server.", param="n")
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
@@ -59,10 +62,13 @@ def fingerprint(engine: Engine) -> str:
     return "fp_" + engine.tokenizer.fingerprint[:10]
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "models": {n: e.stats() for n, e in engines(request).items()},
-            "ensembles": sorted(ensembles(request))}
+@router.get("/health", response_model=None)
+async def health(request: Request) -> dict[str, Any] | JSONResponse:
+    body = {"status": "ok", "models": {n: e.stats() for n, e in engines(request).items()},
+            "ensembles": sorted(ensembles(request)), "inflight": request.app.state.door.inflight}
+    if request.app.state.door.draining:  # load balancers stop sending; in-flight requests finish
+        return JSONResponse({**body, "status": "draining"}, status_code=503)
+    return body
 
 
 @router.get("/metrics")
@@ -90,15 +96,20 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble)
     engine = resolve(request, req.model)
+    served_by(request, req.model)
     ids = engine.tokenizer.encode_chat(req.message_dicts())
     gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults)
     check_context(len(ids), gen_req.params, engine.max_model_len)
     head = P.ResponseHead("chatcmpl", req.model, fingerprint(engine))
     if not req.stream:
         gen = await until_disconnect(request, engine.generate(gen_req))
-        return P.chat_response(head, gen)
+        body = P.chat_response(head, gen)
+        settle(request, req.model, body["usage"])
+        return body
     deltas = await until_disconnect(request, first_and_rest(engine.stream(gen_req)))
-    return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion)))
+    first_token(request, req.model)
+    return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion),
+                                    settle=lambda u: settle(request, req.model, u)), request)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -108,6 +119,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
     engine = resolve(request, req.model)
+    served_by(request, req.model)
     prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
     vocab = engine.tokenizer.vocab_size
     for i, ids in enumerate(prompts):
@@ -125,8 +137,10 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
             for c in gen.choices:
                 lps = P.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
                 choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
-        return P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
+        body = P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                      sum(g.completion_tokens for g in gens))
+        settle(request, req.model, body["usage"])
+        return body
     opened = await until_disconnect(request, asyncio.gather(
         *(first_and_rest(engine.stream(g)) for g in gen_reqs), return_exceptions=True))
     streams = [s for s in opened if not isinstance(s, BaseException)]
@@ -136,6 +150,8 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
             await s.aclose()  # type: ignore[attr-defined]
         raise failed[0]
     prompt_tokens = sum(len(p) for p in prompts)
-    return sse_response(completion_events(head, streams, echoes, req, lambda c: P.usage(prompt_tokens, c)))
+    first_token(request, req.model)
+    return sse_response(completion_events(head, streams, echoes, req, lambda c: P.usage(prompt_tokens, c),
+                                          settle=lambda u: settle(request, req.model, u)), request)
 
 

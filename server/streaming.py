@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from engines.errors import EngineFailed, GatewayError
+from engines.errors import DeadlineExceeded, EngineFailed, GatewayError
 
 log = logging.getLogger("chorus.stream")
 T = TypeVar("T")
@@ -24,7 +24,18 @@ class ClientClosedRequest(GatewayError):
     type = "client_closed_request"
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+def deadline_of(request: Request | None) -> float | None:
+    return getattr(request.state, "deadline", None) if request is not None else None
+
+
+def deadline_error(request: Request | None) -> DeadlineExceeded:
+    timeout = getattr(request.state, "timeout", None) if request is not None else None
+    return DeadlineExceeded(f"The request ran past its deadline of {timeout:g} s and was stopped; its work is "
+                            "cancelled. Raise X-Chorus-Timeout (up to the server's request_timeout_s) or ask "
+                            "for fewer tokens." if timeout else "The request ran past its deadline.")
+
+
+def sse_response(events: AsyncIterator[dict[str, Any]], request: Request | None = None) -> EventSourceResponse:
     """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``.
 
     An error raised after the first byte becomes one final ``data: {"error": ...}`` event (the
@@ -32,9 +43,21 @@ def sse_response(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
     the producer's ``finally`` blocks free the engine sessions.
     """
 
+    deadline = deadline_of(request)
+
     async def body() -> AsyncIterator[str]:
         try:
-            async for event in events:
+            while True:
+                try:
+                    if deadline is None:
+                        event = await anext(events)
+                    else:  # past the deadline: the producer is cancelled (its finally frees the sessions)
+                        remaining = deadline - asyncio.get_running_loop().time()
+                        event = await asyncio.wait_for(anext(events), max(remaining, 0.0))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise deadline_error(request) from None
                 yield json.dumps(event, separators=(",", ":"))
         except GatewayError as exc:
             yield json.dumps({"error": exc.to_dict()})
@@ -51,8 +74,10 @@ def sse_response(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client goes away first, cancel it (its sessions close in its finally)."""
+    """Run ``work``; if the client goes away first, or the request's deadline passes, cancel it (its
+    sessions close in its finally)."""
     task = asyncio.ensure_future(work)
+    deadline = deadline_of(request)
 
     async def watch() -> None:
         while True:
@@ -61,8 +86,11 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
                 return
 
     watcher = asyncio.ensure_future(watch())
+    disconnected = False
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        timeout = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
+        await asyncio.wait({task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        disconnected = watcher.done() and not watcher.cancelled()
     finally:
         if not task.done():
             task.cancel()
@@ -70,5 +98,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(watcher, return_exceptions=True)
     if task.cancelled() or not task.done():
         await asyncio.gather(task, return_exceptions=True)
-        raise ClientClosedRequest("client disconnected; generation cancelled")
+        if disconnected or deadline is None:
+            raise ClientClosedRequest("client disconnected; generation cancelled")
+        raise deadline_error(request)
     return task.result()

@@ -168,3 +168,19 @@ def test_bad_routing_is_400(client: openai.OpenAI, ensemble: dict[str, Any], mat
         client.chat.completions.create(model="small", messages=[{"role": "user", "content": "q"}],
                                        extra_body={"ensemble": ensemble})
     assert err.value.body["param"].startswith("ensemble")
+
+
+def test_route_calibrate_hits_the_target_share(tmp_path: Any) -> None:
+    import argparse
+    import json
+
+    from clients.route_calibrate import calibrate
+
+    prompts = tmp_path / "sample.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in [*MATH, *CHAT, "What is 3 + 4?", "Hi!"]))
+    ens = json.dumps({"strategy": "route", "router": "cost", "members": ["small", "big"],
+                      "hard_examples": MATH[:2], "easy_examples": CHAT[:2], "k": 1})
+    out = calibrate(argparse.Namespace(config=None, ensemble=ens, prompts=str(prompts), share=[0.25], limit=None))
+    assert "| big | 0.25 |" in out and out.splitlines()[-1].startswith("thresholds: [")
+    row = next(line for line in out.splitlines() if line.startswith("| big"))
+    assert row.endswith("| 0.30 |")  # 3 of 10: the quantile lands on a tie-free sample as near as it can

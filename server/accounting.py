@@ -1,0 +1,36 @@
+"""Who used what: the key's model allow-list, the request's labels for logs and metrics, and token charges."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import Request
+
+from server.metrics import TTFT, count_tokens
+
+
+def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[str] = ()) -> None:
+    """Check the key may use ``model`` (and, for an inline ensemble, every model it ``uses``); label the request."""
+    principal = getattr(request.state, "principal", None)
+    if principal is not None:
+        principal.authorize([model, *uses])
+    request.state.model = model
+    request.state.strategy = strategy
+
+
+def settle(request: Request, model: str, usage: dict[str, Any]) -> None:
+    """Charge the key's token window and count the tokens, once the usage is known."""
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    principal = getattr(request.state, "principal", None)
+    if principal is not None:
+        principal.charge(prompt + completion)
+    count_tokens(model, prompt, completion)
+    request.state.usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def first_token(request: Request, model: str) -> None:
+    started = getattr(request.state, "started", None)
+    if started is not None:
+        TTFT.labels(model).observe(time.perf_counter() - started)

@@ -1,0 +1,120 @@
+"""The gateway's front door, one ASGI middleware around every request.
+
+For every request: a request id (``X-Request-ID`` accepted if sane, else generated; echoed on the
+response), one structured access-log line, and the request metrics. For ``/v1/*`` requests, before any
+work: draining (503 during shutdown), the API key (401), the key's limits (429 with ``Retry-After``),
+the server-wide admission limit (503 ``server_overloaded`` with ``Retry-After``; no unbounded queue),
+and the deadline (``request_timeout_s``, lowered per request by an ``X-Chorus-Timeout`` header).
+Admission is released when the response's last byte is sent (streams included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engines.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
+from server.auth import KeyStore, Principal
+from server.config import Limits
+from server.errors import envelope, retry_headers
+from server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
+
+log = logging.getLogger("chorus.access")
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class Door:
+    """State shared by the middleware and the app: requests in flight, and draining on shutdown."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.draining = False
+
+
+class Gateway:
+    def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, door: Door) -> None:
+        self.app = app
+        self.keys = keys
+        self.limits = limits
+        self.door = door
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-request-id", "")
+        rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
+        state: dict[str, Any] = scope.setdefault("state", {})
+        state["request_id"] = rid
+        t0 = state["started"] = time.perf_counter()
+        status = {"code": 0}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        path = scope.get("path", "")
+        principal: Principal | None = None
+        admitted = False
+        try:
+            if path.startswith("/v1/"):
+                try:
+                    principal = self.admit(headers, state)
+                    admitted = True
+                except GatewayError as exc:
+                    REFUSED.labels(exc.code or exc.type).inc()
+                    await envelope(exc.status, exc.message, exc.type, exc.param, exc.code,
+                                   headers=retry_headers(exc))(scope, receive, send_with_id)
+                    return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if admitted:
+                self.door.inflight -= 1
+                INFLIGHT.dec()
+                if principal is not None:
+                    principal.release()
+            elapsed = time.perf_counter() - t0
+            route = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
+            LATENCY.labels(route).observe(elapsed)
+            REQUESTS.labels(route, state.get("model", ""), state.get("strategy", ""), str(status["code"])).inc()
+            log.info("request", extra={"request_id": rid, "method": scope.get("method"), "path": path,
+                                       "status": status["code"], "ms": round(elapsed * 1000, 1),
+                                       "key": principal.name if principal else None, "model": state.get("model"),
+                                       "strategy": state.get("strategy"), "usage": state.get("usage")})
+
+    def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
+        if self.door.draining:
+            raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
+        principal = self.keys.authenticate(headers.get("authorization")) if self.keys.enabled else None
+        if self.door.inflight >= self.limits.max_concurrent_requests:
+            raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
+                             "flight; retry shortly.", retry_after=1.0)
+        if principal is not None:
+            principal.admit()
+        timeout = self.limits.request_timeout_s
+        if "x-chorus-timeout" in headers:
+            try:
+                asked = float(headers["x-chorus-timeout"])
+            except ValueError:
+                asked = -1.0
+            if not asked > 0:
+                if principal is not None:
+                    principal.release()
+                raise InvalidRequest("X-Chorus-Timeout must be a positive number of seconds.", param="X-Chorus-Timeout")
+            timeout = min(timeout, asked)
+        state["principal"] = principal
+        state["deadline"] = asyncio.get_running_loop().time() + timeout
+        state["timeout"] = timeout
+        self.door.inflight += 1
+        INFLIGHT.inc()
+        return principal

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the gateway (prometheus-client's default registry, exposed at ``/metrics``).
+
+Strategy counters (router decisions, cascade steps, member calls) live in ensembles/metrics.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REQUESTS = Counter("chorus_requests_total", "HTTP requests by route, model, strategy and status",
+                   ["route", "model", "strategy", "status"])
+LATENCY = Histogram("chorus_request_seconds", "Request latency (until the last byte)", ["route"],
+                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+TTFT = Histogram("chorus_time_to_first_token_seconds", "Streaming: time to the first token", ["model"],
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+TOKENS = Counter("chorus_tokens_total", "Tokens in and out", ["model", "kind"])
+INFLIGHT = Gauge("chorus_inflight_requests", "Requests admitted and not yet finished (the queue depth)")
+REFUSED = Counter("chorus_refused_total", "Requests refused before any work, by reason", ["reason"])
+
+
+class EngineCollector(Collector):
+    """Active sessions (KV caches) and other engine stats, read from the engines at scrape time."""
+
+    def __init__(self, engines: Callable[[], dict[str, Any]]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for name, engine in self.engines().items():
+            for stat, value in engine.stats().items():
+                fam = families.setdefault(stat, GaugeMetricFamily(f"chorus_engine_{stat}", f"engine stat {stat}",
+                                                                  labels=["model"]))
+                fam.add_metric([name], float(value))
+        yield from families.values()
+
+
+_collector: EngineCollector | None = None
+
+
+def watch_engines(engines: Callable[[], dict[str, Any]]) -> None:
+    """Point the engine collector at the current app's engines (one per process)."""
+    global _collector
+    if _collector is None:
+        _collector = EngineCollector(engines)
+        REGISTRY.register(_collector)
+    else:
+        _collector.engines = engines
+
+
+def count_tokens(model: str, prompt: int, completion: int) -> None:
+    TOKENS.labels(model, "prompt").inc(prompt)
+    TOKENS.labels(model, "completion").inc(completion)

@@ -1,0 +1,70 @@
+"""SIGTERM on a real `chorus serve` process: in-flight streams finish, new work is refused, then it exits."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CONFIG = """
+server: {shutdown_grace_s: 20}
+models:
+  - {name: slow, engine: fake, fake: {delay: 0.02, max_model_len: 100000}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(CONFIG)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        body = {"model": "slow", "messages": [{"role": "user", "content": "q"}], "max_tokens": 100,
+                "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                lines.append(line)
+                if len(lines) == 3:  # mid-stream: one SIGTERM (a second one stops at once)
+                    proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)
+                    h = httpx.get(url + "/health", timeout=5)
+                    assert h.status_code == 503 and h.json()["status"] == "draining"
+                    refused = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False}, timeout=5)
+                    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines)
+        assert sum('"content"' in ln for ln in lines) >= 100  # the whole answer arrived
+        assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn re-raises the signal once it has drained
+        out = proc.stdout.read() if proc.stdout else ""
+        assert "draining: 1 request(s) in flight" in out
+        assert '"logger": "chorus.access"' in out  # JSON access log lines
+    except BaseException:
+        proc.kill()
+        print(proc.stdout.read() if proc.stdout else "")
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
