@@ -154,6 +154,12 @@ def cmd_bench_ensembles(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from clients.bench_load import main as bench
+
+    return bench(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from clients.eval import main as run_eval
 
@@ -203,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs = with_config(b.add_parser("ensembles", help="ensemble overheads: logit averaging, ROUGE-L scoring, concurrency"))
     add_arguments(bs)
     bs.set_defaults(func=cmd_bench_ensembles)
+    from clients.bench_load import add_arguments as load_arguments
+
+    bl = with_config(b.add_parser("load", help="N clients for T seconds: outcomes, errors, p99, memory"))
+    load_arguments(bl)
+    bl.set_defaults(func=cmd_bench_load)
 
     from clients.eval import add_arguments as eval_arguments
 
