@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
 from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
 from engines.generation import check_context, collect
-from ensembles.metrics import ENSEMBLE_REQUESTS
+from ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
 from ensembles.spec import EnsembleSpec, MemberSpec
 
 T = TypeVar("T")
@@ -165,6 +165,7 @@ class Call:
     sampling: Callable[[dict[str, float]], SamplingParams]
     on_member_error: str
     logprobs: bool = False
+    ensemble: str = ""  # the named ensemble (metrics)
     usage: Usage = field(default_factory=Usage)
     trace: dict[str, Any] = field(default_factory=dict)
     by_member: dict[str, Usage] = field(default_factory=dict)
@@ -206,6 +207,7 @@ class Call:
         except Exception as exc:  # noqa: BLE001 - a member's fault, handled per on_member_error
             self.member_failed(member, exc)
             return None
+        MEMBER_CALLS.labels(self.ensemble, member.label, "ok").inc()
         self.record(member, gen.prompt_tokens, gen.completion_tokens)
         return gen
 
@@ -223,6 +225,7 @@ class Call:
         except (InvalidRequest, MemberFailed):
             raise
         except Exception as exc:  # noqa: BLE001
+            MEMBER_CALLS.labels(self.ensemble, member.label, "failed").inc()
             raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
                                param="ensemble.members") from exc
         finally:
@@ -230,6 +233,7 @@ class Call:
             self.record(member, len(req.prompt_ids), completion)
 
     def member_failed(self, member: Member, exc: BaseException) -> None:
+        MEMBER_CALLS.labels(self.ensemble, member.label, "failed").inc()
         if self.on_member_error == "fail":
             raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
                                param="ensemble.members") from exc
@@ -358,7 +362,7 @@ class Ensemble:
         if logprobs and not (s.token_level or s.supports_logprobs):
             raise InvalidRequest(f"'logprobs' is not available with the strategy {self.spec.strategy!r}.",
                                  param="logprobs")
-        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, trace=s.describe())
+        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe())
         s.precheck(call)
         return call
 

@@ -15,3 +15,5 @@ CASCADE_STEPS = Counter(
     ["ensemble", "member", "outcome"])
 ENSEMBLE_REQUESTS = Counter(
     "chorus_ensemble_requests_total", "Requests answered by an ensemble strategy", ["ensemble", "strategy"])
+MEMBER_CALLS = Counter(
+    "chorus_member_calls_total", "Ensemble member calls by outcome (ok / failed)", ["ensemble", "member", "outcome"])

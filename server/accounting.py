@@ -11,13 +11,17 @@ from fastapi import Request
 from server.metrics import TTFT, count_tokens
 
 
-def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[str] = ()) -> None:
-    """Check the key may use ``model`` (and, for an inline ensemble, every model it ``uses``); label the request."""
+def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[str] = (),
+              prompt: Any = None) -> None:
+    """Check the key may use ``model`` (and, for an inline ensemble, every model it ``uses``); label the request.
+    The prompt goes into the access log only when the config's ``server.log.prompts`` is on."""
     principal = getattr(request.state, "principal", None)
     if principal is not None:
         principal.authorize([model, *uses])
     request.state.model = model
     request.state.strategy = strategy
+    if prompt is not None and request.app.state.config.server.log.prompts:
+        request.state.prompt = prompt
 
 
 def settle(request: Request, model: str, usage: dict[str, Any]) -> None:

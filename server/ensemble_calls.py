@@ -78,7 +78,8 @@ def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
     server's ensemble limits."""
     named = req.model in request.app.state.ensembles
     served_by(request, req.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
-              uses=() if named else ensemble.strategy.models())
+              uses=() if named else ensemble.strategy.models(),
+              prompt=req.message_dicts() if isinstance(req, P.ChatCompletionRequest) else req.prompt)
     check_limits(request.app.state.config.server.limits, ensemble)
 
 

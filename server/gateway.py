@@ -90,7 +90,8 @@ class Gateway:
             log.info("request", extra={"request_id": rid, "method": scope.get("method"), "path": path,
                                        "status": status["code"], "ms": round(elapsed * 1000, 1),
                                        "key": principal.name if principal else None, "model": state.get("model"),
-                                       "strategy": state.get("strategy"), "usage": state.get("usage")})
+                                       "strategy": state.get("strategy"), "usage": state.get("usage"),
+                                       **({"prompt": state["prompt"]} if "prompt" in state else {})})
 
     def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
         if self.door.draining:

@@ -96,7 +96,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble)
     engine = resolve(request, req.model)
-    served_by(request, req.model)
+    served_by(request, req.model, prompt=req.message_dicts())
     ids = engine.tokenizer.encode_chat(req.message_dicts())
     gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults)
     check_context(len(ids), gen_req.params, engine.max_model_len)
@@ -119,7 +119,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
     engine = resolve(request, req.model)
-    served_by(request, req.model)
+    served_by(request, req.model, prompt=req.prompt)
     prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
     vocab = engine.tokenizer.vocab_size
     for i, ids in enumerate(prompts):

@@ -168,6 +168,9 @@ def test_crowd_vote_over_members(client: openai.OpenAI) -> None:
     assert t["usage"]["calls"] == 3
     two = chat(client, {"trace": True, "samples_per_member": 2}, model="vote-test", temperature=0)
     assert len(trace_of(two)["candidates"]) == 6
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert 'chorus_member_calls_total{ensemble="vote-test",member="c7",outcome="ok"}' in metrics
+    assert 'chorus_ensemble_requests_total{ensemble="vote-test",strategy="crowd_vote"}' in metrics
 
 
 def test_crowd_vote_streams_the_chosen_answer(client: openai.OpenAI) -> None:
