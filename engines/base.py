@@ -48,6 +48,8 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     extra_stop: tuple[str, ...] = ()  # stop strings the engine adds (fallback chat template)
+    #: the chat messages the prompt was rendered from (engines that speak chat to a server send these)
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -24,6 +24,25 @@ class SamplingDefaults(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
 
 
+class RemoteSpec(BaseModel):
+    """Replicas of one model on OpenAI-compatible servers, and how to talk to them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: list[str] = Field(min_length=1, description="base URLs, e.g. http://gpu-1:8000/v1")
+    model: str | None = Field(default=None, description="the model's name on the servers (default: this name)")
+    #: the model's tokenizer: a directory, or the name of a model in this config (its prepared checkpoint)
+    tokenizer: str = Field(description="tokenizer directory or configured model name")
+    api: Literal["completions", "chat"] = Field(
+        default="completions", description="completions: prompt as token ids (vLLM, chorus worker); chat: messages")
+    api_key_env: str | None = Field(default=None, description="environment variable with the servers' API key")
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=120.0, gt=0, description="longest silence while waiting for bytes")
+    cooldown_s: float = Field(default=10.0, ge=0, description="a failing replica is out for this long")
+    health_interval_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=256, ge=1)
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -32,7 +51,7 @@ class ModelSpec(BaseModel):
     source: str | None = None
     #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
     path: str | None = None
-    engine: Literal["transformers", "fake"] = "transformers"
+    engine: Literal["transformers", "fake", "remote"] = "transformers"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: context window served; default: the model's own, capped at 4096 on CPU
@@ -46,11 +65,15 @@ class ModelSpec(BaseModel):
     description: str = ""
     #: options for ``engine: fake`` (script, delay, max_model_len)
     fake: dict[str, Any] = Field(default_factory=dict)
+    #: ``engine: remote``: OpenAI-compatible servers (vLLM, chorus worker, ...) holding this model
+    remote: RemoteSpec | None = None
 
     @model_validator(mode="after")
     def _one_origin(self) -> ModelSpec:
         if self.engine == "transformers" and (self.source is None) == (self.path is None):
             raise ValueError(f"model {self.name!r}: give exactly one of 'source' or 'path'")
+        if (self.engine == "remote") != (self.remote is not None):
+            raise ValueError(f"model {self.name!r}: 'remote' settings go with engine: remote (and it needs them)")
         return self
 
     @property

@@ -179,17 +179,19 @@ class Call:
         ``persona=False``: the caller already put the member's system prompt into ``messages``.
         """
         tok = member.engine.tokenizer
+        chat: list[dict[str, Any]] | None = None
         if messages is None and self.prompt.text is not None:
             ids, extra_stop = tok.encode(self.prompt.text), ()
         else:
             msgs = messages if messages is not None else self.prompt.as_messages()
-            ids = tok.encode_chat(member.persona(msgs) if persona else msgs)
+            chat = member.persona(msgs) if persona else msgs
+            ids = tok.encode_chat(chat)
             extra_stop = tok.chat_stop
         own = {k: v for k, v in (("temperature", member.spec.temperature), ("top_p", member.spec.top_p),
                                  ("seed", member.spec.seed)) if v is not None}
         params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})
         check_context(len(ids), params, member.engine.max_model_len)
-        return GenerationRequest(ids, params, extra_stop=extra_stop)
+        return GenerationRequest(ids, params, extra_stop=extra_stop, messages=chat)
 
     def record(self, member: Member, prompt_tokens: int, completion_tokens: int) -> None:
         self.usage.add(prompt_tokens, completion_tokens)

@@ -25,8 +25,12 @@ log = logging.getLogger("chorus.server")
 __version__ = "0.1.0"
 
 
-def build_engine(spec: ModelSpec) -> Engine:
+def build_engine(spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> Engine:
     """Engines by kind; imports stay lazy so a fake-only config never imports transformers."""
+    if spec.engine == "remote":
+        from engines.remote import RemoteEngine
+
+        return RemoteEngine.load(spec, models)
     if spec.engine == "fake":
         from engines.fake import FakeEngine
 
@@ -47,7 +51,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
         if engines is None:
             for spec in config.models:
                 t0 = time.perf_counter()
-                loaded[spec.name] = engine_factory(spec)
+                loaded[spec.name] = (build_engine(spec, {m.name: m for m in config.models})
+                                     if spec.engine == "remote" else engine_factory(spec))
                 log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
         for engine in loaded.values():
             await engine.start()

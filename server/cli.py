@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", help="default: server.log.level in the config")
     s.add_argument("--no-prepare", action="store_true", help="fail instead of preparing missing models")
     s.set_defaults(func=cmd_serve)
+    w = with_config(sub.add_parser("worker", help="serve the config's models as a worker behind a gateway "
+                                                  "(the same OpenAI API)"))
+    w.add_argument("--host")
+    w.add_argument("--port", type=int)
+    w.add_argument("--log-level")
+    w.add_argument("--no-prepare", action="store_true")
+    w.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="prepare and list models").add_subparsers(dest="models_cmd", required=True)
     mp = with_config(m.add_parser("prepare", help="convert packaged / GGUF models into the cache"))

@@ -104,7 +104,7 @@ class ChatCompletionRequest(_Sampling):
                               defaults: dict[str, float] | None = None) -> GenerationRequest:
         max_tokens = self.max_completion_tokens or self.max_tokens
         params = self._params(max_tokens, self.logprobs, self.top_logprobs or 0, defaults or {})
-        return GenerationRequest(prompt_ids, params, extra_stop=extra_stop)
+        return GenerationRequest(prompt_ids, params, extra_stop=extra_stop, messages=self.message_dicts())
 
 
 class CompletionRequest(_Sampling):

@@ -1,0 +1,279 @@
+"""A model served by OpenAI-compatible servers (vLLM, chorus worker, transformers serve), several replicas.
+
+`ReplicaPool` picks, for each request, the healthy replica with the fewest requests outstanding; a
+replica that fails (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health
+loop (``/health``, else ``/v1/models``) brings it back. A request is retried on another replica as long
+as nothing has been sent to the client; after the first streamed delta a failure is an error (the
+gateway sends it as the stream's final error event, never a silent cut).
+
+`RemoteEngine` keeps the model's tokenizer locally (for chat templates, context checks, token counts)
+and talks to the servers with one pooled ``httpx.AsyncClient``: ``api: completions`` sends the prompt as
+token ids to ``/v1/completions`` (exactly what the gateway rendered; vLLM and chorus accept ids),
+``api: chat`` sends the messages to ``/v1/chat/completions`` (servers that only speak chat).
+Upstream errors map into chorus's error tree. It has no full logits (no token-level sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engines.base import STREAM, TEXT, Choice, Delta, Generation, GenerationRequest
+from engines.errors import (
+    CapabilityMismatch,
+    EngineFailed,
+    EngineUnavailable,
+    GatewayError,
+    InvalidRequest,
+    RateLimited,
+)
+from engines.spec import ModelSpec, RemoteSpec
+
+log = logging.getLogger("chorus.remote")
+
+
+class Retryable(Exception):
+    """A replica failed before anything reached the client: another replica may answer."""
+
+
+@dataclass
+class Replica:
+    url: str
+    outstanding: int = 0
+    down_until: float = 0.0
+    failures: int = 0
+    served: int = 0
+    last_error: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], cooldown_s: float) -> None:
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.cooldown_s = cooldown_s
+
+    def pick(self, tried: set[str]) -> Replica:
+        candidates = [r for r in self.replicas if r.url not in tried and r.healthy]
+        if not candidates:
+            down = [f"{r.url} ({r.last_error or 'cooling down'})" for r in self.replicas]
+            raise EngineUnavailable(f"No healthy replica left: {'; '.join(down)}.")
+        return min(candidates, key=lambda r: (r.outstanding, r.served))
+
+    def failed(self, replica: Replica, why: str) -> None:
+        replica.failures += 1
+        replica.last_error = why
+        replica.down_until = time.monotonic() + self.cooldown_s
+        log.warning("replica %s out for %.0fs: %s", replica.url, self.cooldown_s, why)
+
+    def stats(self) -> dict[str, int]:
+        return {"replicas": len(self.replicas), "replicas_healthy": sum(r.healthy for r in self.replicas),
+                "outstanding": sum(r.outstanding for r in self.replicas)}
+
+
+def _error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
+    try:
+        err = json.loads(body).get("error") or {}
+        msg = err.get("message") if isinstance(err, dict) else str(err)
+    except (json.JSONDecodeError, AttributeError):
+        msg = body[:300]
+    msg = msg or f"HTTP {status}"
+    if status >= 500:
+        return Retryable(f"{url}: HTTP {status}: {msg}")
+    if status == 429:
+        return RateLimited(f"upstream rate limit: {msg}", retry_after=1.0)
+    if status in (400, 413, 422):
+        return InvalidRequest(f"upstream refused the request: {msg}")
+    return EngineFailed(f"{url}: HTTP {status}: {msg}")  # 401/403/404: the gateway's config is wrong
+
+
+class RemoteEngine:
+    capabilities = frozenset({TEXT, STREAM})
+
+    def __init__(self, spec: ModelSpec, tokenizer: Any) -> None:
+        assert spec.remote is not None
+        self.name = spec.name
+        self.spec = spec
+        self.remote: RemoteSpec = spec.remote
+        self.tokenizer = tokenizer
+        self.max_model_len = spec.max_model_len or 4096
+        self.sampling_defaults = spec.sampling_defaults.model_dump(exclude_none=True)
+        self.pool = ReplicaPool(self.remote.replicas, self.remote.cooldown_s)
+        self.upstream_model = self.remote.model or spec.name
+        self._client: httpx.AsyncClient | None = None
+        self._health: asyncio.Task[None] | None = None
+
+    @classmethod
+    def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> RemoteEngine:
+        from transformers import AutoTokenizer
+
+        from engines.hf_tokenizer import HFTokenizer
+
+        assert spec.remote is not None
+        ref = spec.remote.tokenizer
+        path = models[ref].checkpoint_dir() if models and ref in models else Path(ref).expanduser()
+        if not Path(path).is_dir():
+            raise EngineUnavailable(f"{spec.name}: tokenizer {ref!r} is neither a directory nor a prepared model")
+        return cls(spec, HFTokenizer(AutoTokenizer.from_pretrained(str(path))))
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        r = self.remote
+        key = os.environ.get(r.api_key_env, "") if r.api_key_env else ""
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(r.read_timeout_s, connect=r.connect_timeout_s, pool=r.connect_timeout_s),
+            limits=httpx.Limits(max_connections=r.max_connections, max_keepalive_connections=r.max_connections),
+            headers={"Authorization": f"Bearer {key}"} if key else {})
+        self._health = asyncio.create_task(self._health_loop())
+
+    async def aclose(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.remote.health_interval_s)
+            for r in self.pool.replicas:
+                if r.healthy:
+                    continue
+                root = r.url.removesuffix("/v1")
+                try:
+                    ok = (await self.client.get(root + "/health", timeout=2.0)).status_code == 200
+                    if not ok:
+                        ok = (await self.client.get(r.url + "/models", timeout=2.0)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    r.down_until = 0.0
+                    log.info("replica %s is back", r.url)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineUnavailable(f"{self.name}: the remote engine is not started")
+        return self._client
+
+    # ---- the Engine API ----
+
+    def open_session(self) -> Any:
+        raise CapabilityMismatch(f"{self.name} is served remotely over the OpenAI API and has no token-level "
+                                 "sessions (full logits).")
+
+    @property
+    def active_sessions(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        return {"active_sessions": 0, **self.pool.stats()}
+
+    def _request(self, req: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
+        p = req.params
+        if p.logprobs:
+            raise InvalidRequest(f"logprobs are not relayed from the remote model {self.name}.", param="logprobs")
+        body: dict[str, Any] = {"model": self.upstream_model, "temperature": p.temperature, "top_p": p.top_p,
+                                "n": p.n, "stream": stream, "presence_penalty": p.presence_penalty,
+                                "frequency_penalty": p.frequency_penalty}
+        if p.max_tokens is not None:
+            body["max_tokens"] = p.max_tokens
+        if p.seed is not None:
+            body["seed"] = p.seed
+        stop = list(p.stop) + list(req.extra_stop)
+        if stop:
+            body["stop"] = stop[:4]
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.remote.api == "chat":
+            if req.messages is None:
+                raise InvalidRequest(f"{self.name} is served over a chat-only API: use /v1/chat/completions.",
+                                     param="prompt")
+            return "/chat/completions", {**body, "messages": req.messages}
+        return "/completions", {**body, "prompt": req.prompt_ids}
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        path, body = self._request(request, stream=False)
+        tried: set[str] = set()
+        while True:
+            replica = self.pool.pick(tried)
+            tried.add(replica.url)
+            replica.outstanding += 1
+            try:
+                resp = await self.client.post(replica.url + path, json=body)
+                if resp.status_code != 200:
+                    raise _error_from(resp.status_code, resp.text, replica.url)
+                data = resp.json()
+                replica.served += 1
+                return self._generation(data, len(request.prompt_ids))
+            except (httpx.TransportError, Retryable) as exc:
+                self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
+            finally:
+                replica.outstanding -= 1
+
+    def _generation(self, data: dict[str, Any], prompt_tokens: int) -> Generation:
+        choices = []
+        for c in data.get("choices", []):
+            text = c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
+            choices.append(Choice(int(c.get("index", 0)), text, [], c.get("finish_reason") or "stop", None))
+        usage = data.get("usage") or {}
+        return Generation(choices, int(usage.get("prompt_tokens", prompt_tokens)),
+                          int(usage.get("completion_tokens", 0)))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        path, body = self._request(request, stream=True)
+        tried: set[str] = set()
+        while True:
+            replica = self.pool.pick(tried)
+            tried.add(replica.url)
+            replica.outstanding += 1
+            sent = False
+            try:
+                async with self.client.stream("POST", replica.url + path, json=body) as resp:
+                    if resp.status_code != 200:
+                        raise _error_from(resp.status_code, (await resp.aread()).decode("utf-8", "replace"),
+                                          replica.url)
+                    async for delta in self._deltas(resp):
+                        sent = True
+                        yield delta
+                replica.served += 1
+                return
+            except (httpx.TransportError, Retryable) as exc:
+                self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
+                if sent:
+                    raise EngineFailed(f"{self.name}: replica {replica.url} failed mid-stream: {exc}") from exc
+            finally:
+                replica.outstanding -= 1
+
+    async def _deltas(self, resp: httpx.Response) -> AsyncIterator[Delta]:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return
+            event = json.loads(payload)
+            if "error" in event:
+                raise EngineFailed(f"{self.name}: upstream error: {event['error'].get('message', event['error'])}")
+            for c in event.get("choices") or []:
+                text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content") or ""
+                finish = c.get("finish_reason")
+                if text or finish:
+                    # one streamed chunk per token, as vLLM and chorus send them: the count is exact there
+                    yield Delta(int(c.get("index", 0)), text, [-1] if text else [], [], finish)

@@ -1,0 +1,158 @@
+"""Remote engines: a gateway in front of real worker processes on 127.0.0.1 (chorus workers serving
+smollm2-135m-instruct, a hanging server), through the official openai SDK."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from server.app import create_app
+from server.config import ChorusConfig, load_config
+from tests.conftest import LiveServer
+from tests.integration.conftest import SMOL
+
+pytestmark = pytest.mark.integration
+Q = [{"role": "user", "content": "Name a colour."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    def __init__(self, cfg: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "worker", "--config", str(cfg), "--port",
+                                      str(self.port), "--no-prepare", "--log-level", "warning"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait(self) -> Worker:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("worker did not start")
+
+    def served(self) -> float:
+        text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=5).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("chorus_requests_total{") and 'route="/v1/completions"' in line)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+class Hang:
+    """Accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, default_config: ChorusConfig) -> Iterator[list[Worker]]:
+    cfg = tmp_path_factory.mktemp("w") / "worker.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [default_config.model(SMOL).model_dump(exclude_none=True)]}))
+    ws = [Worker(cfg), Worker(cfg)]
+    try:
+        yield [w.wait() for w in ws]
+    finally:
+        for w in ws:
+            if w.proc.poll() is None:
+                w.kill()
+
+
+def gateway(replicas: list[str], **remote: object) -> LiveServer:
+    tok = str(load_config(None).model(SMOL).checkpoint_dir())
+    cfg = ChorusConfig.model_validate({"models": [{
+        "name": "smol-remote", "engine": "remote", "max_model_len": 2048,
+        "remote": {"replicas": replicas, "model": SMOL, "tokenizer": tok, "cooldown_s": 30, **remote}}]})
+    return LiveServer(create_app(cfg)).start()
+
+
+def test_requests_spread_over_both_workers_and_match_local(workers: list[Worker], sdk: openai.OpenAI) -> None:
+    gw = gateway([w.url for w in workers])
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        before = [w.served() for w in workers]
+        with ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(lambda _: c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=8,
+                                                                     temperature=0), range(8)))
+        after = [w.served() for w in workers]
+        assert all(a - b >= 2 for a, b in zip(after, before)), (before, after)  # both got work
+        local = sdk.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0)
+        assert {o.choices[0].message.content for o in outs} == {local.choices[0].message.content}
+        assert outs[0].usage.completion_tokens == local.usage.completion_tokens
+        chunks = list(c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=8, temperature=0,
+                                                stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+            local.choices[0].message.content
+        health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
+        assert health["replicas_healthy"] == 2 and health["outstanding"] == 0
+    finally:
+        gw.stop()
+
+
+def test_a_hanging_replica_is_timed_out_and_routed_around(workers: list[Worker]) -> None:
+    hang = Hang()
+    gw = gateway([hang.url, workers[0].url], read_timeout_s=6)
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for _ in range(3):
+            r = c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=4, temperature=0)
+            assert r.choices[0].message.content
+        health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
+        assert health["replicas_healthy"] == 1  # the hanging one is cooling down
+    finally:
+        gw.stop()
+
+
+def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> None:
+    gw = gateway([w.url for w in workers])
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def ask(i: int) -> str:
+            return c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=48, temperature=0,
+                                             seed=i).choices[0].message.content or ""
+
+        with ThreadPoolExecutor(12) as ex:
+            futures = [ex.submit(ask, i) for i in range(12)]
+            time.sleep(1.0)
+            workers[1].kill()  # mid-load: its non-streamed requests are retried on the other worker
+            results = [f.result() for f in futures]
+        assert len(results) == 12 and all(results)
+        health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
+        assert health["replicas_healthy"] == 1
+    finally:
+        gw.stop()
