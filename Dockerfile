@@ -36,6 +36,8 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=300s --retries=3 \
   CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"
 
 # Mount your own config at /etc/chorus/config.yaml and pass --config to serve other models.
+# Listening on 0.0.0.0 needs API keys (-e CHORUS_API_KEYS=name:key, or hashes under auth.keys);
+# without keys chorus binds to 127.0.0.1 only (reachable from inside the container, e.g. the healthcheck).
 # `chorus serve` prepares missing default models into $CHORUS_HOME on first start.
 ENTRYPOINT ["chorus"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

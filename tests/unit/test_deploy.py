@@ -1,0 +1,82 @@
+"""The deploy files parse, validate as chorus configs, and are wired to each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from server.config import ChorusConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def k8s() -> list[dict[str, Any]]:
+    return [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in docs(p)]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in k8s() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_configs_validate() -> None:
+    for name in ("gateway.yaml", "worker.yaml", "gpu-node.yaml"):
+        ChorusConfig.model_validate(yaml.safe_load((DEPLOY / "configs" / name).read_text()))
+    cm = find("ConfigMap", "chorus-config")
+    for key in ("gateway.yaml", "worker.yaml"):
+        ChorusConfig.model_validate(yaml.safe_load(cm["data"][key]))
+
+
+def test_compose_wiring() -> None:
+    compose = docs(DEPLOY / "compose.yaml")[0]
+    services = compose["services"]
+    assert {"gateway", "vllm-1", "vllm-2", "chorus-worker"} <= set(services)
+    gateway = ChorusConfig.model_validate(yaml.safe_load((DEPLOY / "configs" / "gateway.yaml").read_text()))
+    hosts = {url.split("//")[1].split(":")[0] for m in gateway.models if m.remote for url in m.remote.replicas}
+    assert hosts <= set(services)  # every replica the gateway calls is a service
+    for name in ("vllm-1", "vllm-2", "chorus-worker"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    assert set(services["gateway"]["depends_on"]) == {"vllm-1", "vllm-2", "chorus-worker"}
+
+
+def test_k8s_wiring() -> None:
+    objs = k8s()
+    workloads = [d for d in objs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert {w["metadata"]["name"] for w in workloads} == {"chorus-gateway", "vllm", "chorus-worker"}
+    for w in workloads:
+        pod = w["spec"]["template"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        container = pod["spec"]["containers"][0]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        if w["metadata"]["name"] != "chorus-gateway":
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in find("Secret", ref["name"])["stringData"]
+        for vol in pod["spec"].get("volumes", []):
+            if "configMap" in vol:
+                find("ConfigMap", vol["configMap"]["name"])
+            if "persistentVolumeClaim" in vol:
+                find("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+    services = [d for d in objs if d["kind"] == "Service"]
+    for svc in services:  # every Service selects a workload's pods
+        assert any(svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+                   for w in workloads), svc["metadata"]["name"]
+    hpa = find("HorizontalPodAutoscaler", "chorus-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "chorus-gateway"
+    gateway = find("Deployment", "chorus-gateway")
+    grace = ChorusConfig.model_validate(yaml.safe_load(find("ConfigMap", "chorus-config")["data"]["gateway.yaml"]))
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace.server.shutdown_grace_s
+    # the gateway's replica URLs resolve to in-cluster names: <pod>.<headless service> or <service>
+    names = {s["metadata"]["name"] for s in services}
+    for m in grace.models:
+        for url in m.remote.replicas if m.remote else []:
+            host = url.split("//")[1].split(":")[0]
+            assert host.split(".")[-1] in names, url
