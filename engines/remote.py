@@ -199,13 +199,13 @@ class RemoteEngine:
             body["top_k"] = p.top_k
         if p.ignore_eos:
             body["ignore_eos"] = True
-        if stream:
-            body["stream_options"] = {"include_usage": True}
         if self.remote.api == "chat":
             if req.messages is None:
                 raise InvalidRequest(f"{self.name} is served over a chat-only API: use /v1/chat/completions.",
                                      param="prompt")
             return "/chat/completions", {**body, "messages": req.messages}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         return "/completions", {**body, "prompt": req.prompt_ids}
 
     async def generate(self, request: GenerationRequest) -> Generation:

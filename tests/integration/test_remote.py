@@ -156,3 +156,42 @@ def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> 
         assert health["replicas_healthy"] == 1
     finally:
         gw.stop()
+
+
+def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: ChorusConfig) -> None:
+    """A third-party OpenAI server (transformers serve, chat API) behind the gateway, via the openai SDK."""
+    path = str(default_config.model(SMOL).checkpoint_dir())
+    port = free_port()
+    exe = str(Path(sys.executable).with_name("transformers"))
+    log = (tmp_path / "tserve.log").open("w")
+    proc = subprocess.Popen([exe, "serve", path, "--device", "cpu", "--dtype", "float32", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "tserve.log").read_text()[-2000:]
+            time.sleep(1)
+        gw = gateway([url + "/v1"], api="chat", read_timeout_s=240, model=path)  # it names a model by its path
+        try:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            r = c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=8, temperature=0)
+            assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+            chunks = list(c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=8, temperature=0,
+                                                    stream=True))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices).strip()
+            with pytest.raises(openai.BadRequestError, match="chat-only"):
+                c.completions.create(model="smol-remote", prompt="Hello", max_tokens=4)
+        finally:
+            gw.stop()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
