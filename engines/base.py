@@ -16,6 +16,8 @@ import torch
 TEXT = "text"
 STREAM = "stream"
 LOGITS = "logits"
+#: sessions whose logits hold only the top-k tokens (a remote server's top logprobs; -inf elsewhere)
+TOPK_LOGITS = "topk_logits"
 
 
 @dataclass(frozen=True)

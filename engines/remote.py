@@ -27,7 +27,9 @@ from typing import Any
 
 import httpx
 
-from engines.base import STREAM, TEXT, Choice, Delta, Generation, GenerationRequest
+import torch
+
+from engines.base import STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
 from engines.errors import (
     CapabilityMismatch,
     EngineFailed,
@@ -98,6 +100,31 @@ def _error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
     return EngineFailed(f"{url}: HTTP {status}: {msg}")  # 401/403/404: the gateway's config is wrong
 
 
+class RemoteSession:
+    """A token-level session over ``/v1/completions``: every step asks for one token with the top-k
+    logprobs of the prompt so far (token ids). The server's prefix cache plays the KV cache; the logits
+    hold the top-k tokens' logprobs and -inf elsewhere (an approximation of the full distribution)."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+        self.ids: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    async def prefill(self, ids: Any) -> torch.Tensor:
+        self.ids = list(ids)
+        return await self.engine.next_token_logprobs(self.ids)
+
+    async def step(self, token: int) -> torch.Tensor:
+        self.ids.append(int(token))
+        return await self.engine.next_token_logprobs(self.ids)
+
+    def close(self) -> None:
+        self.ids = []
+
+
 class RemoteEngine:
     capabilities = frozenset({TEXT, STREAM})
 
@@ -113,6 +140,9 @@ class RemoteEngine:
         self.upstream_model = self.remote.model or spec.name
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task[None] | None = None
+        if self.remote.api == "completions":
+            self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS})
+        self._sessions = 0
 
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> RemoteEngine:
@@ -170,9 +200,28 @@ class RemoteEngine:
 
     # ---- the Engine API ----
 
-    def open_session(self) -> Any:
-        raise CapabilityMismatch(f"{self.name} is served remotely over the OpenAI API and has no token-level "
-                                 "sessions (full logits).")
+    def open_session(self) -> RemoteSession:
+        if TOPK_LOGITS not in self.capabilities:
+            raise CapabilityMismatch(f"{self.name} is served over a chat API: no token-level sessions.")
+        return RemoteSession(self)
+
+    async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
+        from ensembles.topk_union import vocab_of
+
+        body = {"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "logprobs": self.remote.top_logprobs}
+        data = await self._post("/completions", body)
+        top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
+        vocab = vocab_of(self.tokenizer)
+        logits = torch.full((self.tokenizer.vocab_size,), float("-inf"))
+        for text, lp in top.items():
+            tid = vocab.first_id(text) if text else None
+            if tid is None and text == "" and vocab.eos:
+                tid = vocab.eos[0]  # special tokens (EOS) decode to ""
+            if tid is not None and float(lp) > float(logits[tid]):
+                logits[tid] = float(lp)
+        return logits
 
     @property
     def active_sessions(self) -> int:
@@ -210,6 +259,10 @@ class RemoteEngine:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         path, body = self._request(request, stream=False)
+        return self._generation(await self._post(path, body), len(request.prompt_ids))
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One non-streamed call, retried on the next replica while replicas fail."""
         tried: set[str] = set()
         while True:
             replica = self.pool.pick(tried)
@@ -219,9 +272,8 @@ class RemoteEngine:
                 resp = await self.client.post(replica.url + path, json=body)
                 if resp.status_code != 200:
                     raise _error_from(resp.status_code, resp.text, replica.url)
-                data = resp.json()
                 replica.served += 1
-                return self._generation(data, len(request.prompt_ids))
+                return resp.json()
             except (httpx.TransportError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
             finally:

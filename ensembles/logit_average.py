@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import LOGITS, Delta, Engine, Session
+from engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session
 from engines.errors import CapabilityMismatch, InvalidRequest, MemberFailed
 from engines.generation import SessionEngine, check_context
 from ensembles.base import Call, Strategy, message
@@ -116,10 +116,15 @@ class LogitAverage(SessionEngine):
         if len(members) < 2:
             raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
         self.labels = labels or [m.name for m in members]
-        lacking = [lb for lb, m in zip(self.labels, members) if LOGITS not in m.capabilities]
+        lacking = [lb for lb, m in zip(self.labels, members) if not {LOGITS, TOPK_LOGITS} & m.capabilities]
         if lacking:
-            raise CapabilityMismatch(f"logit_average needs full logits; these members cannot give them: "
+            raise CapabilityMismatch(f"logit_average needs members with next-token logits (in-process) or top-k "
+                                     f"logprobs (remote, api: completions); these have neither: "
                                      f"{', '.join(lacking)}.", param="ensemble.members")
+        self.approximate = [lb for lb, m in zip(self.labels, members) if LOGITS not in m.capabilities]
+        if self.approximate and space == "logit":
+            raise InvalidRequest(f"space 'logit' needs full logits; {', '.join(self.approximate)} give only top-k "
+                                 "logprobs. Use space 'probability'.", param="ensemble.space")
         base = members[0].tokenizer.fingerprint
         differ = [lb for lb, m in zip(self.labels, members) if m.tokenizer.fingerprint != base]
         if differ:
@@ -179,9 +184,10 @@ class LogitAverageParams(BaseModel):
 
 
 class LogitAverageStrategy(Strategy):
-    """``logit_average``: token-level ensemble; streams tokens as they are chosen."""
+    """``logit_average``: token-level ensemble; streams tokens as they are chosen. Members need full logits,
+    or (remote members) top-k logprobs: then the average is over their top-k and the trace says so."""
 
-    requires = frozenset({LOGITS})
+    requires = frozenset()  # LOGITS or TOPK_LOGITS, checked by the engines below
     Params = LogitAverageParams
     token_level = True
     default_on_member_error = "fail"
@@ -224,6 +230,9 @@ class LogitAverageStrategy(Strategy):
         if self.params.align == "topk_union":
             call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
                                   "distributions")
+        elif getattr(engine, "approximate", None):
+            call.trace["note"] = (f"approximate: {', '.join(engine.approximate)} served remotely give only their "
+                                  "top-k logprobs; other tokens count as probability 0 for them")
         if self.params.align == "topk_union":
             reqs = [call.request(m) for m in self.members]
             deltas = engine.stream_requests(reqs)  # type: ignore[attr-defined]

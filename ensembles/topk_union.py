@@ -18,9 +18,19 @@ from functools import cache
 
 import torch
 
-from engines.base import Delta, Engine, GenerationRequest, Session, TokenLogprob, Tokenizer, TopLogprob
+from engines.base import (
+    LOGITS,
+    TOPK_LOGITS,
+    Delta,
+    Engine,
+    GenerationRequest,
+    Session,
+    TokenLogprob,
+    Tokenizer,
+    TopLogprob,
+)
 from engines.detokenize import TextAssembler
-from engines.errors import InvalidRequest
+from engines.errors import CapabilityMismatch, InvalidRequest
 from engines.generation import check_context
 from engines.sampling import logprob_info, make_generator, sample
 from ensembles.logit_average import normalised_weights, step_members
@@ -70,6 +80,10 @@ class TopkUnion:
             raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
         self.members = members
         self.labels = labels or [m.name for m in members]
+        lacking = [lb for lb, m in zip(self.labels, members) if not {LOGITS, TOPK_LOGITS} & m.capabilities]
+        if lacking:
+            raise CapabilityMismatch(f"topk_union needs members with logits or top-k logprobs; these have neither: "
+                                     f"{', '.join(lacking)}.", param="ensemble.members")
         self.weights = normalised_weights(weights, len(members))
         self.top_k = top_k
         self.skip = skip

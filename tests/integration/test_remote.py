@@ -137,27 +137,6 @@ def test_a_hanging_replica_is_timed_out_and_routed_around(workers: list[Worker])
         gw.stop()
 
 
-def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> None:
-    gw = gateway([w.url for w in workers])
-    try:
-        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-        def ask(i: int) -> str:
-            return c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=48, temperature=0,
-                                             seed=i).choices[0].message.content or ""
-
-        with ThreadPoolExecutor(12) as ex:
-            futures = [ex.submit(ask, i) for i in range(12)]
-            time.sleep(1.0)
-            workers[1].kill()  # mid-load: its non-streamed requests are retried on the other worker
-            results = [f.result() for f in futures]
-        assert len(results) == 12 and all(results)
-        health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
-        assert health["replicas_healthy"] == 1
-    finally:
-        gw.stop()
-
-
 def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: ChorusConfig) -> None:
     """A third-party OpenAI server (transformers serve, chat API) behind the gateway, via the openai SDK."""
     path = str(default_config.model(SMOL).checkpoint_dir())
@@ -195,3 +174,46 @@ def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: 
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_logit_average_of_a_local_and_a_remote_member(workers: list[Worker], smol_engine: object) -> None:
+    """Members on different processes: the remote one steps over /v1/completions with top-k logprobs."""
+    tok = str(load_config(None).model(SMOL).checkpoint_dir())
+    spec = load_config(None).model(SMOL).model_dump(exclude_none=True)
+    cfg = ChorusConfig.model_validate({"models": [spec, {
+        "name": "smol-remote", "engine": "remote", "max_model_len": 2048,
+        "remote": {"replicas": [workers[0].url], "model": SMOL, "tokenizer": tok}}]})
+    gw = LiveServer(create_app(cfg)).start()
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        local = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0)
+        ens = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0, extra_body={
+            "ensemble": {"strategy": "logit_average", "members": [SMOL, "smol-remote"], "trace": True}})
+        assert ens.choices[0].message.content == local.choices[0].message.content
+        assert "approximate" in ens.model_extra["ensemble"]["note"]
+        with pytest.raises(openai.BadRequestError, match="space 'logit' needs full logits"):
+            c.chat.completions.create(model=SMOL, messages=Q, max_tokens=4, extra_body={
+                "ensemble": {"strategy": "logit_average", "members": [SMOL, "smol-remote"], "space": "logit"}})
+    finally:
+        gw.stop()
+
+
+def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> None:
+    gw = gateway([w.url for w in workers])
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def ask(i: int) -> str:
+            return c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=48, temperature=0,
+                                             seed=i).choices[0].message.content or ""
+
+        with ThreadPoolExecutor(12) as ex:
+            futures = [ex.submit(ask, i) for i in range(12)]
+            time.sleep(1.0)
+            workers[1].kill()  # mid-load: its non-streamed requests are retried on the other worker
+            results = [f.result() for f in futures]
+        assert len(results) == 12 and all(results)
+        health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
+        assert health["replicas_healthy"] == 1
+    finally:
+        gw.stop()

@@ -287,7 +287,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
     ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1, -1]}, "non-negative"),
     ({"strategy": "logit_average", "members": ["fake", "odd"]}, "odd differ from fake.*topk_union"),
     ({"strategy": "logit_average", "members": ["fake", {"model": "fake", "system": "pirate"}]}, "per-member system"),
-    ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "needs members with logits.*lack it: textonly"),
+    ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "have neither: textonly"),
     ({"strategy": "exchange_of_thought", "members": ["a42", "b42"], "answer_pattern": "("}, "regular expression"),
     ({"members": ["a42", "b42"]}, "strategy"),
     ({"strategy": "crowd_vote", "members": "a42"}, "members"),
@@ -299,7 +299,8 @@ def test_bad_ensembles_are_400(client: openai.OpenAI, ensemble: dict[str, Any], 
 
 
 def test_text_strategies_work_without_logits(client: openai.OpenAI) -> None:
-    resp = chat(client, {"strategy": "crowd_vote", "members": ["textonly", "b42"], "metric": "char_rouge_l"})
+    resp = chat(client, {"strategy": "crowd_vote", "members": ["textonly", "b42"], "metric": "char_rouge_l"},
+                temperature=0)
     assert resp.choices[0].message.content == "The answer is 42."
 
 
