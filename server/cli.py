@@ -160,6 +160,12 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from clients.bench_gateway import main as bench
+
+    return bench(args)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from clients.eval import main as run_eval
 
@@ -221,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     bl = with_config(b.add_parser("load", help="N clients for T seconds: outcomes, errors, p99, memory"))
     load_arguments(bl)
     bl.set_defaults(func=cmd_bench_load)
+    from clients.bench_gateway import add_arguments as gateway_arguments
+
+    bg = b.add_parser("gateway", help="gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk")
+    gateway_arguments(bg)
+    bg.set_defaults(func=cmd_bench_gateway)
 
     from clients.eval import add_arguments as eval_arguments
 

@@ -1,0 +1,197 @@
+"""`chorus bench gateway`: what the gateway adds in front of a fast upstream, measured with wrk.
+
+A mock OpenAI upstream (a raw asyncio server: fixed chat completion, or a fixed SSE stream) runs on
+127.0.0.1; wrk (Debian's, with a Lua body script) drives it directly, through one `chorus serve`
+process (an ``engine: remote`` model pointing at the mock), and through the LiteLLM proxy when its
+``litellm`` command is given (``--litellm``) or on PATH. LiteLLM is not a chorus dependency: its
+``litellm[proxy]`` extra does not resolve here; ``pip install litellm`` plus the proxy's modules by hand
+(websockets, semver, expression, fastapi-sso, mcp, soundfile, orjson, backoff, apscheduler, ...) works. Requests/s and latency percentiles at concurrency 1 and 32,
+non-streaming and streaming; one table, one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+COMPLETION = json.dumps({
+    "id": "cmpl-mock", "object": "chat.completion", "created": 0, "model": "mock",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris is the capital of France."},
+                 "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}}).encode()
+WORDS = ["Paris", " is", " the", " capital", " of", " France", "."]
+
+
+def sse_body() -> bytes:
+    out = []
+    for w in WORDS:
+        out.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "mock",
+                    "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]})
+    out.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "mock",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in out) + b"data: [DONE]\n\n"
+
+
+SSE = sse_body()
+
+
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = await reader.readexactly(length) if length else b""
+            if head.startswith(b"GET"):
+                payload, ctype = b'{"status":"ok","data":[{"id":"mock","object":"model"}]}', b"application/json"
+            elif b'"stream":true' in body.replace(b" ", b""):
+                payload, ctype = SSE, b"text/event-stream"
+            else:
+                payload, ctype = COMPLETION, b"application/json"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype + b"\r\nContent-Length: "
+                         + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def mock_upstream(port: int) -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} did not come up")
+
+
+LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
+
+
+def wrk(url: str, body: dict[str, object], connections: int, seconds: int, tmp: Path, key: str) -> dict[str, float]:
+    script = tmp / "post.lua"
+    script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f'wrk.headers["Authorization"] = "Bearer {key}"\nwrk.body = [[{json.dumps(body)}]]\n')
+    out = subprocess.run(["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--latency", "-s",
+                          str(script), url], capture_output=True, text=True, timeout=seconds + 60).stdout
+
+    def ms(label: str) -> float:
+        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
+        if not m:
+            return float("nan")
+        v, unit = float(m.group(1)), m.group(2)
+        return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": float(rps.group(1)) if rps else 0.0, "p50": ms("50%"), "p99": ms("99%"),
+            "non2xx": float(non2xx.group(1)) if non2xx else 0.0, "errors": 1.0 if errors else 0.0}
+
+
+def main(args: argparse.Namespace) -> int:
+    from server.config import load_config
+
+    if shutil.which("wrk") is None:
+        sys.exit("chorus bench gateway: needs wrk (apt-get install wrk)")
+    tok = str(load_config(None).model("smollm2-135m-instruct").checkpoint_dir())
+    up_port, gw_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        env = {**os.environ, "CHORUS_API_KEYS": "bench:bench"}
+        procs.append(subprocess.Popen([sys.executable, "-c", f"from clients.bench_gateway import mock_upstream; "
+                                                             f"mock_upstream({up_port})"], env=env))
+        upstream = f"http://127.0.0.1:{up_port}"
+        wait_up(upstream + "/v1/models", procs[-1])
+        cfg = tmp / "gw.yaml"
+        cfg.write_text(json.dumps({
+            "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level}},
+            "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
+                        "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port",
+                                       str(gw_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        targets = {"direct to the mock upstream": upstream, "through chorus (1 process)": f"http://127.0.0.1:{gw_port}"}
+        wait_up(targets["through chorus (1 process)"] + "/health", procs[-1])
+        exe = args.litellm or shutil.which("litellm")
+        if exe:
+            lport = free_port()
+            lcfg = tmp / "litellm.yaml"
+            lcfg.write_text(json.dumps({"model_list": [{"model_name": "mock", "litellm_params": {
+                "model": "openai/mock", "api_base": upstream + "/v1", "api_key": "x"}}]}))
+            lenv = {**env, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+            procs.append(subprocess.Popen([exe, "--config", str(lcfg), "--port", str(lport), "--num_workers", "1"],
+                                          env=lenv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            try:
+                wait_up(f"http://127.0.0.1:{lport}/health/liveliness", procs[-1], timeout=240)
+                targets["through LiteLLM proxy"] = f"http://127.0.0.1:{lport}"
+            except RuntimeError as exc:
+                print(f"LiteLLM proxy not measured: {exc}", file=sys.stderr)
+        try:
+            rows = []
+            for stream in (False, True):
+                body = {"model": "mock", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                        "max_tokens": 16, "stream": stream}
+                for c in (1, 32):
+                    base = None
+                    for label, url in targets.items():
+                        key = LITELLM_KEY if "LiteLLM" in label else "bench"
+                        r = wrk(url + "/v1/chat/completions", body, c, args.seconds, tmp, key)
+                        base = base or r
+                        rows.append([("stream" if stream else "non-stream"), str(c), label, f"{r['rps']:.0f}",
+                                     f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['p50'] - base['p50']:+.2f}",
+                                     f"{int(r['non2xx'])}"])
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    header = ["mode", "conc.", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "non-2xx"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
+    print(f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per cell, mock upstream on 127.0.0.1")
+    print("\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=int, default=10)
+    p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")
+    p.add_argument("--litellm", help="the LiteLLM proxy's `litellm` command (default: on PATH; not measured if absent)")
