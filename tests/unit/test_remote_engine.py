@@ -1,0 +1,104 @@
+"""The remote engine and its replica pool against a real chorus upstream serving a fake engine (same
+character tokenizer on both sides), over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from engines.base import GenerationRequest, SamplingParams
+from engines.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
+from engines.fake import CharTokenizer, FakeEngine
+from engines.remote import RemoteEngine, ReplicaPool, Retryable, _error_from
+from engines.spec import ModelSpec
+from server.app import create_app
+from server.config import ChorusConfig
+from tests.conftest import LiveServer
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[LiveServer]:
+    cfg = ChorusConfig.model_validate({"models": [{"name": "up", "engine": "fake"}, {"name": "flaky", "engine": "fake"}]})
+    srv = LiveServer(create_app(cfg, engines={"up": FakeEngine("up", script="hello from upstream"),
+                                              "flaky": FakeEngine("flaky", script="abcdefghij", fail_after=4)})).start()
+    yield srv
+    srv.stop()
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"  # nothing listens there once closed
+
+
+async def engine(replicas: list[str], model: str = "up", **remote: object) -> AsyncIterator[RemoteEngine]:
+    spec = ModelSpec.model_validate({"name": "r", "engine": "remote", "max_model_len": 256, "remote": {
+        "replicas": replicas, "model": model, "tokenizer": "unused", "cooldown_s": 60, **remote}})
+    e = RemoteEngine(spec, CharTokenizer())
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.aclose()
+
+
+def req(e: RemoteEngine, **kw: object) -> GenerationRequest:
+    params = {"temperature": 0.0, "max_tokens": 40, **kw}
+    return GenerationRequest(e.tokenizer.encode("q"), SamplingParams(**params))  # type: ignore[arg-type]
+
+
+async def test_generate_and_stream_through_a_dead_replica(upstream: LiveServer) -> None:
+    async for e in engine([dead_url(), upstream.url + "/v1"]):
+        for _ in range(2):
+            g = await e.generate(req(e))
+            assert g.choices[0].text == "hello from upstream" and g.completion_tokens == 20
+        text = "".join([d.text async for d in e.stream(req(e))])
+        assert text == "hello from upstream"
+        stats = e.stats()
+        assert stats["replicas_healthy"] == 1 and stats["outstanding"] == 0
+        assert e.pool.replicas[1].served == 3
+
+
+async def test_errors_map_into_chorus_errors(upstream: LiveServer) -> None:
+    async for e in engine([upstream.url + "/v1"]):
+        with pytest.raises(InvalidRequest, match="upstream refused"):
+            await e.generate(req(e, max_tokens=10_000))  # beyond the upstream's context
+        with pytest.raises(InvalidRequest, match="logprobs are not relayed"):
+            await e.generate(req(e, logprobs=True))
+    async for e in engine([upstream.url + "/v1"], model="nope"):
+        with pytest.raises(EngineFailed, match="404"):
+            await e.generate(req(e))
+    async for e in engine([dead_url()]):
+        with pytest.raises(EngineUnavailable, match="No healthy replica"):
+            await e.generate(req(e))
+
+
+async def test_a_failure_mid_stream_is_an_error_not_a_cut(upstream: LiveServer) -> None:
+    async for e in engine([upstream.url + "/v1"], model="flaky"):
+        got = []
+        with pytest.raises(EngineFailed, match="upstream error"):
+            async for d in e.stream(req(e)):
+                got.append(d.text)
+        assert "".join(got).startswith("abc")
+
+
+def test_pool_prefers_the_least_outstanding_and_cools_failures_down() -> None:
+    pool = ReplicaPool(["http://a/v1", "http://b/v1"], cooldown_s=0.2)
+    a, b = pool.replicas
+    a.outstanding = 3
+    assert pool.pick(set()) is b
+    pool.failed(b, "boom")
+    assert pool.pick(set()) is a
+    with pytest.raises(EngineUnavailable, match="boom"):
+        pool.pick({"http://a/v1"})
+    time.sleep(0.25)
+    assert pool.pick({"http://a/v1"}) is b  # back after the cool-down
+
+
+@pytest.mark.parametrize(("status", "kind"), [(400, InvalidRequest), (422, InvalidRequest), (429, RateLimited),
+                                              (500, Retryable), (503, Retryable), (401, EngineFailed)])
+def test_error_mapping(status: int, kind: type) -> None:
+    assert isinstance(_error_from(status, '{"error": {"message": "m"}}', "http://x"), kind)
