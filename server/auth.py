@@ -37,13 +37,14 @@ class Principal:
     max_concurrent: int | None = None
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    tokens_in_window: int = 0  # the sum over `tokens`, kept as they come and go (O(1) per request)
     inflight: int = 0
 
     def _expire(self, now: float) -> None:
         while self.requests and now - self.requests[0] >= WINDOW_S:
             self.requests.popleft()
         while self.tokens and now - self.tokens[0][0] >= WINDOW_S:
-            self.tokens.popleft()
+            self.tokens_in_window -= self.tokens.popleft()[1]
 
     def admit(self, now: float | None = None) -> None:
         """Count one request in, or raise `RateLimited` saying when to retry."""
@@ -55,19 +56,21 @@ class Principal:
         if self.rpm is not None and len(self.requests) >= self.rpm:
             raise RateLimited(f"Key {self.name!r} is limited to {self.rpm} requests per minute.",
                               retry_after=WINDOW_S - (now - self.requests[0]))
-        used = sum(n for _, n in self.tokens)
+        used = self.tokens_in_window
         if self.tpm is not None and used >= self.tpm:
             raise RateLimited(f"Key {self.name!r} is limited to {self.tpm} tokens per minute ({used} used).",
                               retry_after=WINDOW_S - (now - self.tokens[0][0]))
-        self.requests.append(now)
+        if self.rpm is not None:  # windows are kept only for the limits a key has
+            self.requests.append(now)
         self.inflight += 1
 
     def release(self) -> None:
         self.inflight = max(0, self.inflight - 1)
 
     def charge(self, tokens: int) -> None:
-        if tokens > 0:
+        if tokens > 0 and self.tpm is not None:
             self.tokens.append((time.monotonic(), tokens))
+            self.tokens_in_window += tokens
 
     def authorize(self, names: Iterable[str]) -> None:
         if self.models is None:

@@ -196,3 +196,21 @@ def test_env_keys() -> None:
     assert store.authenticate("Bearer abc").name == "team"
     assert store.authenticate("Bearer xyz").name == "env-2"
     assert not KeyStore([], None).enabled
+
+
+def test_token_window_slides() -> None:
+    import time
+
+    from engines.errors import RateLimited
+    from server.auth import Principal
+
+    p = Principal("k", "h", tpm=100, rpm=3)
+    p.admit(now=0.0)
+    p.charge(60)
+    p.charge(50)
+    p.release()
+    with pytest.raises(RateLimited, match=r"100 tokens per minute \(110 used\)"):
+        p.admit(now=time.monotonic())
+    p.tokens = type(p.tokens)((t - 100.0, n) for t, n in p.tokens)  # as if charged 100 s ago
+    p.admit(now=time.monotonic())
+    assert p.tokens_in_window == 0 and not p.tokens
