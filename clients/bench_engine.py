@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from clients.local import free_port, wait_ready
 
 PROMPT = "Write a long story about a dragon who learns to sing."
 
@@ -43,12 +44,6 @@ class Row:
     name: str
     res: Result
     ratio: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- in-process ----
@@ -136,20 +131,6 @@ def _http_load(url: str, model: str, tokens: int, k: int, extra: dict) -> Result
     return asyncio.run(main())
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not become ready")
-
-
 @dataclass
 class Server:
     label: str
@@ -173,7 +154,7 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
         ready = []
         for srv in servers:
             try:
-                _wait_ready(srv.url, srv.proc)  # type: ignore[arg-type]
+                wait_ready(srv.url + "/v1/models", srv.proc)  # type: ignore[arg-type]
                 _http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
                 ready.append(srv)
             except Exception as exc:  # noqa: BLE001 - the table says which rows are missing
@@ -219,13 +200,13 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "bench.yaml"
         cfg.write_text(json.dumps({"models": [spec.model_dump(exclude_none=True)]}))
-        port = _free_port()
+        port = free_port()
         servers = [Server("chorus serve", [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg),
                                            "--port", str(port), "--no-prepare", "--log-level", "warning"],
                           port, spec.name, {"ignore_eos": True, "stream_options": {"include_usage": True}},
                           Path(tmp) / "chorus.log")]
         if not args.skip_transformers_serve:
-            port = _free_port()
+            port = free_port()
             # it rejects ignore_eos and stream_options; a generation_config forces the same length
             gen = {"generation_config": json.dumps({"min_new_tokens": args.tokens, "max_new_tokens": args.tokens,
                                                     "do_sample": False})}

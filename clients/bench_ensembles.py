@@ -22,15 +22,14 @@ import random
 import time
 from typing import Any
 
+from clients.local import markdown_table
+
 PROMPT = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
                                       "many clips in May. How many clips did Natalia sell altogether in April and May?"}]
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([f"\n{title}", line(header), sep, *[line(r) for r in rows]])
+    return f"\n{title}\n{markdown_table(header, rows)}"
 
 
 # ---- 1. logit averaging ----

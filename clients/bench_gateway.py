@@ -17,14 +17,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from clients.local import free_port, markdown_table, wait_ready
 
 COMPLETION = json.dumps({
     "id": "cmpl-mock", "object": "chat.completion", "created": 0, "model": "mock",
@@ -80,25 +78,6 @@ def mock_upstream(port: int) -> None:
     asyncio.run(main())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise RuntimeError(f"{url} did not come up")
-
-
 LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
 
 
@@ -137,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
         procs.append(subprocess.Popen([sys.executable, "-c", f"from clients.bench_gateway import mock_upstream; "
                                                              f"mock_upstream({up_port})"], env=env))
         upstream = f"http://127.0.0.1:{up_port}"
-        wait_up(upstream + "/v1/models", procs[-1])
+        wait_ready(upstream + "/v1/models", procs[-1])
         cfg = tmp / "gw.yaml"
         cfg.write_text(json.dumps({
             "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level}},
@@ -146,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port",
                                        str(gw_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         targets = {"direct to the mock upstream": upstream, "through chorus (1 process)": f"http://127.0.0.1:{gw_port}"}
-        wait_up(targets["through chorus (1 process)"] + "/health", procs[-1])
+        wait_ready(targets["through chorus (1 process)"] + "/health", procs[-1])
         exe = args.litellm or shutil.which("litellm")
         if exe:
             lport = free_port()
@@ -157,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
             procs.append(subprocess.Popen([exe, "--config", str(lcfg), "--port", str(lport), "--num_workers", "1"],
                                           env=lenv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             try:
-                wait_up(f"http://127.0.0.1:{lport}/health/liveliness", procs[-1], timeout=240)
+                wait_ready(f"http://127.0.0.1:{lport}/health/liveliness", procs[-1], timeout=240)
                 targets["through LiteLLM proxy"] = f"http://127.0.0.1:{lport}"
             except RuntimeError as exc:
                 print(f"LiteLLM proxy not measured: {exc}", file=sys.stderr)
@@ -184,10 +163,8 @@ def main(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
     header = ["mode", "conc.", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "non-2xx"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
     print(f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per cell, mock upstream on 127.0.0.1")
-    print("\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]))
+    print(markdown_table(header, rows))
     return 0
 
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+
+from clients.local import free_port, wait_ready
 
 FAKE_CONFIG = """
 server: {limits: {max_concurrent_requests: 512}, log: {level: warning}}
@@ -39,12 +40,6 @@ def rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: random.Random, outcomes: Counter[str],
@@ -90,7 +85,7 @@ async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: ra
 
 
 async def _run(args: argparse.Namespace) -> str:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
         if args.model == "fake":
@@ -102,12 +97,7 @@ async def _run(args: argparse.Namespace) -> str:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    await asyncio.sleep(0.5)
+            await asyncio.to_thread(wait_ready, url + "/health", proc)
             samples: list[tuple[float, float]] = []
             outcomes: Counter[str] = Counter()
             latencies: list[float] = []

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from clients.local import free_port, markdown_table, wait_ready
 from ensembles.answers import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
@@ -153,35 +153,22 @@ def report(systems: list[System], tallies: list[Tally], n: int) -> str:
                      f"{t.completion_tokens / max(t.done, 1):.0f}", str(t.prompt_tokens + t.completion_tokens),
                      f"{t.calls / max(t.done, 1):.1f}", f"{statistics.median(lat):.1f}", f"{statistics.fmean(lat):.1f}",
                      route, by])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return markdown_table(header, rows)
 
 
 def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
     if config:
         cmd += ["--config", config]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=sys.stderr)  # stdout is for the table
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"chorus eval: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url + "/v1"
-        except httpx.HTTPError:
-            time.sleep(1)
-    proc.terminate()
-    raise SystemExit("chorus eval: the server did not come up within 600 s")
+    try:
+        wait_ready(url + "/health", proc, timeout=600, interval=1.0)
+    except RuntimeError as exc:
+        proc.terminate()
+        raise SystemExit(f"chorus eval: {exc}") from None
+    return proc, url + "/v1"
 
 
 async def _run(args: argparse.Namespace) -> str:

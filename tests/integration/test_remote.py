@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 
+from clients.local import free_port, wait_ready
 from server.app import create_app
 from server.config import ChorusConfig, load_config
 from tests.conftest import LiveServer
@@ -24,12 +25,6 @@ from tests.integration.conftest import SMOL
 
 pytestmark = pytest.mark.integration
 Q = [{"role": "user", "content": "Name a colour."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Worker:
@@ -41,14 +36,8 @@ class Worker:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait(self) -> Worker:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError("worker did not start")
+        wait_ready(self.url.removesuffix("/v1") + "/health", self.proc, timeout=180, interval=0.3)
+        return self
 
     def served(self) -> float:
         text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=5).text
@@ -147,15 +136,10 @@ def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: 
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "tserve.log").read_text()[-2000:]
-            time.sleep(1)
+        try:
+            wait_ready(url + "/v1/models", proc, timeout=240, interval=1.0)
+        except RuntimeError as exc:
+            pytest.fail(f"{exc}\n{(tmp_path / 'tserve.log').read_text()[-2000:]}")
         gw = gateway([url + "/v1"], api="chat", read_timeout_s=240, model=path)  # it names a model by its path
         try:
             c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=300)

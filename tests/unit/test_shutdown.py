@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,17 +10,13 @@ from pathlib import Path
 
 import httpx
 
+from clients.local import free_port, wait_ready
+
 CONFIG = """
 server: {shutdown_grace_s: 20}
 models:
   - {name: slow, engine: fake, fake: {delay: 0.02, max_model_len: 100000}}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
@@ -32,14 +27,7 @@ def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.2)
+        wait_ready(url + "/health", proc, timeout=60, interval=0.2)
         body = {"model": "slow", "messages": [{"role": "user", "content": "q"}], "max_tokens": 100,
                 "ignore_eos": True, "stream": True}
         lines = []

@@ -1,0 +1,41 @@
+"""Local processes for the CLI tools and the tests: a free port on 127.0.0.1, waiting until a server
+answers, and the markdown tables the tools print."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 600,  # type: ignore[type-arg]
+               interval: float = 0.5) -> None:
+    """Poll ``url`` until it answers 200; `RuntimeError` if ``proc`` exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"{url} did not answer within {timeout:g} s")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Rows under a header, columns padded to their widest cell."""
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
