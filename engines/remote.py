@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-
 import torch
 
 from engines.base import STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
@@ -41,6 +40,7 @@ from engines.errors import (
     RateLimited,
 )
 from engines.spec import ModelSpec, RemoteSpec
+from engines.vocab import Vocab, vocab_of
 
 log = logging.getLogger("chorus.remote")
 
@@ -144,7 +144,7 @@ class RemoteEngine:
         self._health: asyncio.Task[None] | None = None
         if self.remote.api == "completions":
             self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS})
-        self._sessions = 0
+        self._vocab: Vocab | None = None  # text -> token id, for remote top logprobs (built on first use)
 
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> RemoteEngine:
@@ -212,13 +212,13 @@ class RemoteEngine:
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
-        from ensembles.topk_union import vocab_of
-
         body = {"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                 "logprobs": self.remote.top_logprobs}
         data = await self._post("/completions", body)
         top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
-        vocab = vocab_of(self.tokenizer)
+        if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
+            self._vocab = await asyncio.to_thread(vocab_of, self.tokenizer)
+        vocab = self._vocab
         logits = torch.full((self.tokenizer.vocab_size,), float("-inf"))
         for text, lp in top.items():
             tid = vocab.first_id(text) if text else None

@@ -43,11 +43,7 @@ def rouge_l_matrix(seqs: Sequence[str]) -> np.ndarray:
 def word_rouge_l(texts: Sequence[str]) -> np.ndarray:
     codes: dict[str, str] = {}
     seqs = ["".join(codes.setdefault(w, chr(_FIRST_CODE_POINT + len(codes))) for w in rouge_words(t)) for t in texts]
-    out = rouge_l_matrix(seqs)
-    empty = np.array([len(s) == 0 for s in seqs])
-    out[empty, :] = 0.0  # rouge-score scores an empty side as 0
-    out[:, empty] = 0.0
-    return out
+    return rouge_l_matrix(seqs)  # an empty side scores 0, as in rouge-score
 
 
 def char_rouge_l(texts: Sequence[str]) -> np.ndarray:
