@@ -12,16 +12,16 @@ from server.metrics import TTFT, count_tokens
 
 
 def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[str] = (),
-              prompt: Any = None) -> None:
+              body: Any = None) -> None:
     """Check the key may use ``model`` (and, for an inline ensemble, every model it ``uses``); label the request.
-    The prompt goes into the access log only when the config's ``server.log.prompts`` is on."""
+    The request ``body``'s prompt goes into the access log only when ``server.log.prompts`` is on."""
     principal = getattr(request.state, "principal", None)
     if principal is not None:
         principal.authorize([model, *uses])
     request.state.model = model
     request.state.strategy = strategy
-    if prompt is not None and request.app.state.config.server.log.prompts:
-        request.state.prompt = prompt
+    if body is not None and request.app.state.config.server.log.prompts:
+        request.state.prompt = body.message_dicts() if hasattr(body, "messages") else body.prompt
 
 
 def settle(request: Request, model: str, usage: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from engines.base import Delta, SamplingParams
+from engines.base import Delta
 from engines.errors import InvalidRequest
 from ensembles.base import Call, Ensemble, Prompt
 from ensembles.spec import EnsembleSpec
@@ -47,10 +47,7 @@ def fingerprint(ensemble: Ensemble) -> str:
 
 
 def start_call(ensemble: Ensemble, req: P.ChatCompletionRequest | P.CompletionRequest, prompt: Prompt) -> Call:
-    def sampling(defaults: dict[str, float]) -> SamplingParams:
-        return req.to_generation_request([], defaults=defaults).params
-
-    return ensemble.call(prompt, sampling, n=req.n, logprobs=req.wants_logprobs)
+    return ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
 
 
 def trailer(ensemble: Ensemble, call: Call) -> dict[str, Any]:
@@ -79,7 +76,7 @@ def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
     named = req.model in request.app.state.ensembles
     served_by(request, req.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
               uses=() if named else ensemble.strategy.models(),
-              prompt=req.message_dicts() if isinstance(req, P.ChatCompletionRequest) else req.prompt)
+              body=req)
     check_limits(request.app.state.config.server.limits, ensemble)
 
 

@@ -100,11 +100,15 @@ class ChatCompletionRequest(_Sampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
-    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = (),
-                              defaults: dict[str, float] | None = None) -> GenerationRequest:
+    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
-        params = self._params(max_tokens, self.logprobs, self.top_logprobs or 0, defaults or {})
-        return GenerationRequest(prompt_ids, params, extra_stop=extra_stop, messages=self.message_dicts())
+        return self._params(max_tokens, self.logprobs, self.top_logprobs or 0, defaults or {})
+
+    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = (),
+                              defaults: dict[str, float] | None = None,
+                              messages: list[dict[str, Any]] | None = None) -> GenerationRequest:
+        return GenerationRequest(prompt_ids, self.sampling_params(defaults), extra_stop=extra_stop,
+                                 messages=messages if messages is not None else self.message_dicts())
 
 
 class CompletionRequest(_Sampling):
@@ -135,9 +139,11 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
+        return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, defaults or {})
+
     def to_generation_request(self, prompt_ids: list[int], defaults: dict[str, float] | None = None) -> GenerationRequest:
-        lp = self.logprobs is not None
-        return GenerationRequest(prompt_ids, self._params(self.max_tokens, lp, self.logprobs or 0, defaults or {}))
+        return GenerationRequest(prompt_ids, self.sampling_params(defaults))
 
 
 # ---- responses ----

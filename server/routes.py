@@ -96,9 +96,11 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble)
     engine = resolve(request, req.model)
-    served_by(request, req.model, prompt=req.message_dicts())
-    ids = engine.tokenizer.encode_chat(req.message_dicts())
-    gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults)
+    served_by(request, req.model, body=req)
+    messages = req.message_dicts()
+    ids = engine.tokenizer.encode_chat(messages)
+    gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults,
+                                        messages=messages)
     check_context(len(ids), gen_req.params, engine.max_model_len)
     head = P.ResponseHead("chatcmpl", req.model, fingerprint(engine))
     if not req.stream:
@@ -119,7 +121,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
     engine = resolve(request, req.model)
-    served_by(request, req.model, prompt=req.prompt)
+    served_by(request, req.model, body=req)
     prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
     vocab = engine.tokenizer.vocab_size
     for i, ids in enumerate(prompts):
