@@ -52,6 +52,10 @@ class GenerationRequest:
     extra_stop: tuple[str, ...] = ()  # stop strings the engine adds (fallback chat template)
     #: the chat messages the prompt was rendered from (engines that speak chat to a server send these)
     messages: list[dict[str, Any]] | None = None
+    #: model-family options (MoDr: ``recurrence``, ``exit``); engines refuse options they do not know
+    options: dict[str, Any] = field(default_factory=dict)
+    #: when not None, the engine fills it with what the model family observed (expert load, MoDr routing)
+    trace: dict[str, Any] | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -39,8 +40,11 @@ log = logging.getLogger("chorus.batching")
 class BatchedSession:
     """One sequence (one row of the batch); the `Session` protocol over a `BatchRunner`."""
 
-    def __init__(self, runner: BatchRunner) -> None:
+    def __init__(self, runner: BatchRunner, options: dict[str, Any] | None = None) -> None:
         self._runner = runner
+        #: model-family options of the request (MoDr: recurrence, exit) and what the family observed
+        self.options: dict[str, Any] = options or {}
+        self.family: Any = None
         self.length = 0  # real tokens in the cache
         self.pending: int | None = None
         self.future: asyncio.Future[torch.Tensor] | None = None
@@ -91,10 +95,23 @@ class _Prefill:
         return self.future.done() or all(s.closed for s in self.sessions)
 
 
+class RowObserver(Protocol):
+    """Sees every forward of a runner (model families: expert load, MoDr routing).
+
+    ``rows`` holds the session each batch row serves (None: a padding row); after the forward, row b's
+    real tokens are its first ``lens[b]`` positions of ``width``. Both run on the forward thread.
+    """
+
+    def before(self, rows: list[BatchedSession | None]) -> None: ...
+
+    def after(self, rows: list[BatchedSession | None], lens: list[int], width: int) -> None: ...
+
+
 class BatchRunner:
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, max_batch_size: int = 16,
-                 prefill_chunk: int = 512, gather_wait_s: float = 0.004) -> None:
+                 prefill_chunk: int = 512, gather_wait_s: float = 0.004, observer: RowObserver | None = None) -> None:
         self.model = model
+        self.observer = observer
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
@@ -160,8 +177,8 @@ class BatchRunner:
             for s in sessions:
                 s.future = None
 
-    def open_many(self, n: int) -> list[BatchedSession]:
-        return [BatchedSession(self) for _ in range(n)]
+    def open_many(self, n: int, options: dict[str, Any] | None = None) -> list[BatchedSession]:
+        return [BatchedSession(self, options) for _ in range(n)]
 
     # ---- scheduler ----
     async def _loop(self) -> None:
@@ -261,7 +278,12 @@ class BatchRunner:
             old_t = self.mask.shape[1]
             t = max(old_t, new_t)
             merged = []
-            for layer, (kn, vn) in zip(self.cache.layers, new_layers):
+            old_layers = list(self.cache.layers)
+            if len(old_layers) != len(new_layers) and hasattr(self.model, "match_cache_layers"):
+                # MoDr: caches with different numbers of recurrence-step slots
+                old_layers, grown = self.model.match_cache_layers(old_layers, list(job.cache.layers))
+                new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in grown]
+            for layer, (kn, vn) in zip(old_layers, new_layers):
                 merged.append((torch.cat([_lpad(layer.keys, t - old_t), _lpad(kn, t - new_t)], 0),
                                torch.cat([_lpad(layer.values, t - old_t), _lpad(vn, t - new_t)], 0)))
             self.cache = _cache_from(merged)
@@ -312,8 +334,15 @@ class BatchRunner:
             mask = torch.cat([self.mask, col], 1)  # (B, T+1)
             pos = torch.tensor([[s.length] for s in self.rows], device=self.device)  # (B, 1)
             attn = self._attention_mask(pos, mask.cumsum(1) - 1, mask.bool())  # real position of each column
+            served: list[BatchedSession | None] = [None] * b
+            for r, _ in decode:
+                served[r] = self.rows[r]
+            if self.observer is not None:
+                self.observer.before(served)
             res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              **{self._cache_kw: self.cache})
+            if self.observer is not None:
+                self.observer.after(served, [int(s is not None) for s in served], 1)
             self.mask = mask
             logits = res.logits[:, -1, :].float()  # (B, V)
             out = list(logits.index_select(0, rows).cpu().unbind(0))
@@ -328,8 +357,12 @@ class BatchRunner:
         ids = torch.tensor([job.ids[p : p + n]], device=self.device)  # (1, L)
         pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
         attn = self._attention_mask(pos, torch.arange(p + n, device=self.device).unsqueeze(0))
+        if self.observer is not None:
+            self.observer.before([job.sessions[0]])
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: job.cache})
+        if self.observer is not None:
+            self.observer.after([job.sessions[0]], [n], n)
         job.done += n
         if job.done == len(job.ids):
             job.logits = res.logits[0, -1, :].float().cpu()
@@ -346,8 +379,13 @@ class BatchRunner:
         attn = self._attention_mask(pos, pos, ar.view(1, t) < lens.view(j, 1))  # right padding is not a key
         last = sorted({int(n) - 1 for n in lens})
         cache = GrowingCache()
+        served: list[BatchedSession | None] = [job.sessions[0] for job in jobs]
+        if self.observer is not None:
+            self.observer.before(served)
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=torch.tensor(last, device=self.device), **{self._cache_kw: cache})
+        if self.observer is not None:
+            self.observer.after(served, [len(job.ids) for job in jobs], t)
         for row, job in enumerate(jobs):
             n = len(job.ids)
             job.logits = res.logits[row, last.index(n - 1), :].float().cpu()
@@ -422,6 +460,13 @@ class GrowingLayer(DynamicLayer):
         self._v[:, :, self._t : t] = value_states
         self._t = t
         self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+        return self.keys, self.values
+
+    def overwrite_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace the last columns written (a slot shared by several recurrence steps of one forward)."""
+        n = key_states.shape[-2]
+        self._k[:, :, self._t - n : self._t] = key_states
+        self._v[:, :, self._t - n : self._t] = value_states
         return self.keys, self.values
 
 

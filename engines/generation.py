@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
@@ -72,11 +73,22 @@ class SessionEngine:
     def stats(self) -> dict[str, int]:
         return {"active_sessions": self.active_sessions}
 
+    def check_options(self, options: dict[str, Any]) -> None:
+        """Model-family options of a request; plain models take none."""
+        if options:
+            name = sorted(options)[0]
+            raise InvalidRequest(f"'{name}' applies to MoDr models only; {self.name!r} is not one.", param=name)
+
+    def family_trace(self, sessions: list[Session]) -> dict[str, Any]:
+        """What the model family observed for these sessions (a request's ``trace``)."""
+        return {}
+
     async def generate(self, request: GenerationRequest) -> Generation:
         choices = await collect(self.stream(request), request.params.logprobs)
         return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices))
 
-    async def prefill_sessions(self, prompt_ids: list[int], n: int) -> list[tuple[Session, torch.Tensor]]:
+    async def prefill_sessions(self, prompt_ids: list[int], n: int,
+                               options: dict[str, Any] | None = None) -> list[tuple[Session, torch.Tensor]]:
         """Open ``n`` sessions on one prompt; engines that can share one prefill override this."""
         opened: list[Session] = []
         try:
@@ -94,9 +106,10 @@ class SessionEngine:
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         params = request.params
         max_tokens = check_context(len(request.prompt_ids), params, self.max_model_len)
+        self.check_options(request.options)
         queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
         try:
-            started = await self.prefill_sessions(request.prompt_ids, params.n)
+            started = await self.prefill_sessions(request.prompt_ids, params.n, request.options)
         except GatewayError:
             raise
         except Exception as exc:
@@ -121,6 +134,8 @@ class SessionEngine:
             await asyncio.gather(*tasks, return_exceptions=True)
             for session, _ in started:
                 session.close()
+            if request.trace is not None:
+                request.trace.update(self.family_trace([session for session, _ in started]))
 
     async def _run_choice(self, index: int, session: Session, logits: torch.Tensor, request: GenerationRequest,
                           max_tokens: int, queue: asyncio.Queue[Delta | BaseException | None]) -> None:

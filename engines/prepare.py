@@ -38,8 +38,11 @@ def is_prepared(d: Path) -> bool:
 
 
 def prepare_model(spec: ModelSpec, home: Path | None = None, *, force: bool = False,
-                  log: Callable[[str], None] = print) -> Path:
+                  log: Callable[[str], None] = print, models: dict[str, ModelSpec] | None = None) -> Path:
+    """Convert ``spec`` into a servable checkpoint; ``models`` resolves a derived model's base by name."""
     home = home or chorus_home()
+    if spec.derive is not None and spec.engine == "transformers":
+        return _prepare_derived(spec, home, force, log, models or {})
     if not spec.needs_prepare:
         d = spec.checkpoint_dir(home)
         if spec.engine == "transformers" and not (d / "config.json").is_file():
@@ -104,3 +107,62 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
         "probe_max_abs_diff": diff, "seconds": round(time.perf_counter() - t0, 1), "files": _files(out),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None],
+                     models: dict[str, ModelSpec]) -> Path:
+    """Build a derived checkpoint (MoE upcycle, graft, MoDr retrofit) from its base, preparing the base first."""
+    from engines.families.checkpoint import BuildError
+
+    derive = spec.derive
+    assert derive is not None
+    target = spec.prepared_dir(home)
+    wanted = derive.model_dump()
+    if not force and is_prepared(target) and json.loads((target / MANIFEST).read_text()).get("derive") == wanted:
+        log(f"{spec.name}: already prepared at {target}")
+        return target
+    if derive.base in models:
+        if derive.base == spec.name:
+            raise EngineUnavailable(f"{spec.name}: a model cannot be derived from itself")
+        base_dir = prepare_model(models[derive.base], home, log=log, models=models)
+    else:
+        base_dir = Path(derive.base).expanduser()
+        if not base_dir.is_dir():
+            raise EngineUnavailable(f"{spec.name}: derive.base {derive.base!r} is neither a model of this config "
+                                    f"({', '.join(sorted(models)) or 'none'}) nor a checkpoint directory")
+    log(f"{spec.name}: building ({derive.family}) from {base_dir}")
+    try:
+        _build(derive.family, base_dir, target, derive.options, log)
+    except BuildError as exc:
+        raise EngineUnavailable(f"{spec.name}: {exc}") from None
+    except TypeError as exc:  # an unknown option name
+        raise EngineUnavailable(f"{spec.name}: bad derive options {derive.options}: {exc}") from None
+    manifest = json.loads((target / MANIFEST).read_text())
+    (target / MANIFEST).write_text(json.dumps({**manifest, "name": spec.name, "derive": wanted}, indent=2))
+    log(f"{spec.name}: ready at {target}")
+    return target
+
+
+def _build(family: str, base_dir: Path, out: Path, options: dict, log: Callable[[str], None]) -> None:
+    if family == "moe":
+        from engines.families.moe import UpcycleConfig, upcycle
+
+        upcycle(base_dir, out, UpcycleConfig(**options), force=True, log=log)
+    elif family == "graft":
+        from engines.families.graft import GraftConfig, graft
+
+        graft(base_dir, out, GraftConfig(**options), force=True, log=log)
+    else:
+        from engines.families.modr import MoDrConfig, build_retrofit
+
+        opts = dict(options)
+        ranges = {k: tuple(opts.pop(k)) for k in ("prelude", "core", "coda") if k in opts}
+        cfg = None
+        if ranges:
+            if len(ranges) != 3:
+                from engines.families.checkpoint import BuildError
+
+                raise BuildError("give all three of prelude, core and coda (or none for the default split)")
+            cfg = MoDrConfig(**ranges, **opts)
+            opts = {}
+        build_retrofit(base_dir, out, cfg, force=True, log=log, **opts)

@@ -253,6 +253,7 @@ class RemoteEngine:
             body["top_k"] = p.top_k
         if p.ignore_eos:
             body["ignore_eos"] = True
+        body.update(req.options)  # MoDr's recurrence / exit: a chorus worker serving a MoDr model checks them
         if self.remote.api == "chat":
             if req.messages is None:
                 raise InvalidRequest(f"{self.name} is served over a chat-only API: use /v1/chat/completions.",

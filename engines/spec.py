@@ -44,6 +44,19 @@ class RemoteSpec(BaseModel):
     top_logprobs: int = Field(default=20, ge=1, le=20, description="logit averaging over remote members: top-k per step")
 
 
+class DeriveSpec(BaseModel):
+    """A checkpoint chorus builds at prepare time from another model (engines/families)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: Literal["moe", "graft", "modr"] = Field(description="moe: sparse upcycling; graft: SOLAR depth "
+                                                    "up-scaling; modr: recurrent depth with routed LoRA branches")
+    base: str = Field(description="a model of this config (its prepared checkpoint) or a checkpoint directory")
+    #: the builder's settings: moe {experts, top_k, shared_expert, router, noise, seed}; graft {drop};
+    #: modr {prelude, core, coda, branches, rank, alpha, recurrence, max_recurrence, kv_share}
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,11 +81,20 @@ class ModelSpec(BaseModel):
     fake: dict[str, Any] = Field(default_factory=dict)
     #: ``engine: remote``: OpenAI-compatible servers (vLLM, chorus worker, ...) holding this model
     remote: RemoteSpec | None = None
+    #: built at prepare time from another model (MoE upcycling, grafting, MoDr retrofit)
+    derive: DeriveSpec | None = None
+    #: MoDr serving settings that override the checkpoint's (recurrence, max_recurrence, kv_share)
+    modr: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_origin(self) -> ModelSpec:
-        if self.engine == "transformers" and (self.source is None) == (self.path is None):
-            raise ValueError(f"model {self.name!r}: give exactly one of 'source' or 'path'")
+        origins = sum(x is not None for x in (self.source, self.path, self.derive))
+        if self.engine == "transformers" and origins != 1:
+            raise ValueError(f"model {self.name!r}: give exactly one of 'source', 'path' or 'derive'")
+        bad = set(self.modr) - {"recurrence", "max_recurrence", "kv_share"}
+        if bad:
+            raise ValueError(f"model {self.name!r}: unknown 'modr' settings {sorted(bad)} "
+                             "(known: recurrence, max_recurrence, kv_share)")
         if (self.engine == "remote") != (self.remote is not None):
             raise ValueError(f"model {self.name!r}: 'remote' settings go with engine: remote (and it needs them)")
         return self
@@ -82,7 +104,7 @@ class ModelSpec(BaseModel):
         """True when the weights must be converted into the cache before serving."""
         if self.engine != "transformers":
             return False
-        return self.source is not None or str(self.path).endswith(".gguf")
+        return self.source is not None or self.derive is not None or str(self.path).endswith(".gguf")
 
     def prepared_dir(self, home: Path | None = None) -> Path:
         return (home or chorus_home()) / "models" / self.name.replace("/", "--")

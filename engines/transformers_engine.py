@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -19,6 +21,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_CONTEXT_CAP = 4096
 
 
+def family_observer(model: torch.nn.Module) -> Any:
+    """The `RowObserver` of a model family (MoE expert load, MoDr routing), or None for a dense model."""
+    from engines.families.modr import MoDrModel, RoutingObserver
+
+    if isinstance(model, MoDrModel):
+        return RoutingObserver(model)
+    from engines.families.moe import ExpertLoad
+
+    return ExpertLoad(model) if ExpertLoad.applies_to(model) else None
+
+
 class TransformersEngine(SessionEngine):
     def __init__(self, spec: ModelSpec, model: torch.nn.Module, tokenizer: HFTokenizer) -> None:
         self.name = spec.name
@@ -29,8 +42,30 @@ class TransformersEngine(SessionEngine):
         native = int(getattr(model.config.get_text_config(), "max_position_embeddings", CPU_CONTEXT_CAP))
         default = native if spec.device != "cpu" else min(native, CPU_CONTEXT_CAP)
         self.max_model_len = min(spec.max_model_len or default, native)
+        self.observer = family_observer(model)
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
-                                  prefill_chunk=spec.prefill_chunk)
+                                  prefill_chunk=spec.prefill_chunk, observer=self.observer)
+
+    @property
+    def family(self) -> str:
+        from engines.families.modr import MoDrModel
+
+        if isinstance(self.model, MoDrModel):
+            return "modr"
+        return "moe" if self.observer is not None else "dense"
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        if self.family != "modr":
+            return super().check_options(options)
+        from engines.families.modr import check_options
+
+        check_options(options, self.model.cfg)
+
+    def family_trace(self, sessions: list[Any]) -> dict[str, Any]:
+        return self.observer.trace(sessions) if self.observer is not None else {}
+
+    def family_metrics(self) -> list[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+        return self.observer.metrics() if self.observer is not None else []
 
     @classmethod
     def load(cls, spec: ModelSpec) -> TransformersEngine:
@@ -45,13 +80,21 @@ class TransformersEngine(SessionEngine):
             raise EngineUnavailable(f"model {spec.name!r}: no checkpoint at {path}")
         if spec.device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineUnavailable(f"model {spec.name!r} asks for {spec.device} but CUDA is not available")
+        from engines.families.modr import is_modr_dir, load_modr
+
         t0 = time.perf_counter()
-        hf_tok = AutoTokenizer.from_pretrained(path)
+        modr = is_modr_dir(path)
+        # a MoDr checkpoint's tokenizer is its base's (its config.json is not a transformers config)
+        hf_tok = AutoTokenizer.from_pretrained(json.loads((path / "config.json").read_text())["base"] if modr else path)
         if spec.chat_template:
             hf_tok.chat_template = spec.chat_template
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
+        if modr:
+            model = load_modr(path, DTYPES[spec.dtype], **spec.modr)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
         model.to(spec.device).eval()
-        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        gen_cfg = getattr(getattr(model, "base", model), "generation_config", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None)
         extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         log.info("loaded %s from %s in %.1fs", spec.name, path, time.perf_counter() - t0)
         return cls(spec, model, HFTokenizer(hf_tok, extra_eos_ids=extra))
@@ -65,9 +108,10 @@ class TransformersEngine(SessionEngine):
     def open_session(self) -> BatchedSession:
         return BatchedSession(self.runner)
 
-    async def prefill_sessions(self, prompt_ids: list[int], n: int) -> list[tuple[BatchedSession, torch.Tensor]]:
+    async def prefill_sessions(self, prompt_ids: list[int], n: int,
+                               options: dict[str, Any] | None = None) -> list[tuple[BatchedSession, torch.Tensor]]:
         """``n`` choices share one prefill: the prompt's KV is computed once and copied into n rows."""
-        sessions = self.runner.open_many(n)
+        sessions = self.runner.open_many(n, options)
         try:
             logits = await self.runner.submit_prefill(sessions, prompt_ids)
         except BaseException:

@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
         try:
-            prepare_model(spec)
+            prepare_model(spec, models={m.name: m for m in config.models})
         except GatewayError as exc:
             sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
     configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
@@ -116,7 +116,7 @@ def cmd_models_prepare(args: argparse.Namespace) -> int:
     failed = 0
     for name in names:
         try:
-            prepare_model(config.model(name), force=args.force)
+            prepare_model(config.model(name), force=args.force, models={m.name: m for m in config.models})
         except GatewayError as exc:
             print(f"{name}: FAILED: {exc.message}", file=sys.stderr)
             failed += 1
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-prepare", action="store_true")
     w.set_defaults(func=cmd_serve)
 
+    from server.cli_families import add_family_commands
+
+    add_family_commands(sub)
     m = sub.add_parser("models", help="prepare and list models").add_subparsers(dest="models_cmd", required=True)
     mp = with_config(m.add_parser("prepare", help="convert packaged / GGUF models into the cache"))
     mp.add_argument("names", nargs="*", help="models to prepare (default: all in the config)")

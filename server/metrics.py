@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 REQUESTS = Counter("chorus_requests_total", "HTTP requests by route, model, strategy and status",
@@ -29,13 +29,19 @@ class EngineCollector(Collector):
     def __init__(self, engines: Callable[[], dict[str, Any]]) -> None:
         self.engines = engines
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families: dict[str, GaugeMetricFamily] = {}
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for name, engine in self.engines().items():
             for stat, value in engine.stats().items():
                 fam = families.setdefault(stat, GaugeMetricFamily(f"chorus_engine_{stat}", f"engine stat {stat}",
                                                                   labels=["model"]))
                 fam.add_metric([name], float(value))
+            # model-family counters (MoE expert load, MoDr branch usage), kept by the engine since start-up
+            metrics = getattr(engine, "family_metrics", None)
+            for metric, doc, labels, samples in (metrics() if metrics else []):
+                cfam = families.setdefault(metric, CounterMetricFamily(metric, doc, labels=["model", *labels]))
+                for values, value in samples:
+                    cfam.add_metric([name, *values], value)
         yield from families.values()
 
 

@@ -49,6 +49,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
     ensemble: dict[str, Any] | None = Field(
         default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
+    recurrence: int | None = Field(default=None, description="extension, MoDr models: recurrence steps per token")
+    exit: dict[str, Any] | None = Field(
+        default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
+    trace: bool = Field(default=False, description="extension: the model family's trace in the response "
+                        "(MoE expert load, MoDr branch and steps per token)")
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +61,11 @@ class _Sampling(BaseModel):
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return v
+
+    @property
+    def family_options(self) -> dict[str, Any]:
+        """Model-family options for the engine (only those the request set)."""
+        return {k: v for k, v in (("recurrence", self.recurrence), ("exit", self.exit)) if v is not None}
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +118,8 @@ class ChatCompletionRequest(_Sampling):
                               defaults: dict[str, float] | None = None,
                               messages: list[dict[str, Any]] | None = None) -> GenerationRequest:
         return GenerationRequest(prompt_ids, self.sampling_params(defaults), extra_stop=extra_stop,
-                                 messages=messages if messages is not None else self.message_dicts())
+                                 messages=messages if messages is not None else self.message_dicts(),
+                                 options=self.family_options, trace={} if self.trace else None)
 
 
 class CompletionRequest(_Sampling):
@@ -143,7 +154,8 @@ class CompletionRequest(_Sampling):
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, defaults or {})
 
     def to_generation_request(self, prompt_ids: list[int], defaults: dict[str, float] | None = None) -> GenerationRequest:
-        return GenerationRequest(prompt_ids, self.sampling_params(defaults))
+        return GenerationRequest(prompt_ids, self.sampling_params(defaults), options=self.family_options,
+                                 trace={} if self.trace else None)
 
 
 # ---- responses ----

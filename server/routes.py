@@ -103,15 +103,16 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
                                         messages=messages)
     check_context(len(ids), gen_req.params, engine.max_model_len)
     head = P.ResponseHead("chatcmpl", req.model, fingerprint(engine))
+    trailer = (lambda: {"trace": gen_req.trace}) if gen_req.trace is not None else None
     if not req.stream:
         gen = await until_disconnect(request, engine.generate(gen_req))
-        body = P.chat_response(head, gen)
+        body = {**P.chat_response(head, gen), **(trailer() if trailer else {})}
         settle(request, req.model, body["usage"])
         return body
     deltas = await until_disconnect(request, first_and_rest(engine.stream(gen_req)))
     first_token(request, req.model)
     return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion),
-                                    settle=lambda u: settle(request, req.model, u)), request)
+                                    trailer=trailer, settle=lambda u: settle(request, req.model, u)), request)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -132,6 +133,9 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
         check_context(len(g.prompt_ids), g.params, engine.max_model_len)
     head = P.ResponseHead("cmpl", req.model, fingerprint(engine))
     echoes = [engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+    # the trace of one prompt is an object; of several, a list in prompt order
+    trailer = None if not req.trace else (lambda: {"trace": gen_reqs[0].trace if len(gen_reqs) == 1
+                                                   else [g.trace for g in gen_reqs]})
     if not req.stream:
         gens = await until_disconnect(request, asyncio.gather(*(engine.generate(g) for g in gen_reqs)))
         choices = []
@@ -141,6 +145,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
                 choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
         body = P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                      sum(g.completion_tokens for g in gens))
+        body.update(trailer() if trailer else {})
         settle(request, req.model, body["usage"])
         return body
     opened = await until_disconnect(request, asyncio.gather(
@@ -154,6 +159,6 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
     prompt_tokens = sum(len(p) for p in prompts)
     first_token(request, req.model)
     return sse_response(completion_events(head, streams, echoes, req, lambda c: P.usage(prompt_tokens, c),
-                                          settle=lambda u: settle(request, req.model, u)), request)
+                                          trailer=trailer, settle=lambda u: settle(request, req.model, u)), request)
 
 

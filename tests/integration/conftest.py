@@ -25,7 +25,7 @@ def default_config() -> ChorusConfig:
     torch.set_num_threads(2)
     config = load_config(None)
     for spec in config.models:
-        prepare_model(spec)  # idempotent: `make test` has already prepared them
+        prepare_model(spec, models={m.name: m for m in config.models})  # idempotent: `make test` prepared them
     return config
 
 

@@ -13,7 +13,7 @@ from server.config import ConfigError, load_config
 
 def test_packaged_default_config() -> None:
     config = load_config(None)
-    assert [m.name for m in config.models] == ["smollm2-135m-instruct", "gemma-3-270m"]
+    assert [m.name for m in config.models] == ["smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "gemma-3-270m"]
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
     assert all(m.needs_prepare for m in config.models)
 
@@ -21,7 +21,7 @@ def test_packaged_default_config() -> None:
 @pytest.mark.parametrize("text,needle", [
     ("models: []", "at least 1"),
     ("models: [{name: a, engine: fake}, {name: a, engine: fake}]", "repeated: a"),
-    ("models: [{name: a}]", "exactly one of 'source' or 'path'"),
+    ("models: [{name: a}]", "exactly one of 'source', 'path' or 'derive'"),
     ("models: [{name: a, engine: fake, colour: red}]", "colour"),
     ("models: [{name: a, engine: fake}]\nserver: {port: -1}", "port"),
     ("models: [", "invalid config"),

@@ -1,0 +1,155 @@
+"""Reading a dense Llama-architecture checkpoint and writing derived ones, atomically.
+
+Every family builder (upcycle, graft, MoDr retrofit) reads its base through `load_base` and
+writes through `atomic_output`: the new checkpoint is built in a temporary directory beside the
+target and renamed into place only when complete, so a failed or interrupted build leaves no
+partial output directory behind. Bad input raises `BuildError` before any work is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: architectures the builders accept as a base: the Llama layer layout (q/k/v/o, gate/up/down, RMSNorm)
+LLAMA_TYPES = ("llama", "mistral")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
+MANIFEST = "chorus-prepared.json"
+
+
+class BuildError(Exception):
+    """A checkpoint cannot be built from this input (the message says why and what to change)."""
+
+
+@dataclass
+class Base:
+    """A dense base checkpoint: its directory, config (as a dict) and tensors by name."""
+
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s tensors keyed by their name inside the layer (``self_attn.q_proj.weight``)."""
+        prefix = f"model.layers.{i}."
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    def outside_layers(self) -> dict[str, torch.Tensor]:
+        """Embeddings, final norm, head: everything that is not in a decoder layer."""
+        return {k: v for k, v in self.tensors.items() if not k.startswith("model.layers.")}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise BuildError(f"{path} is not a directory (give a Hugging Face checkpoint directory)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise BuildError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        return json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise BuildError(f"{cfg_file} is not valid JSON: {exc}") from None
+
+
+def check_llama(config: dict[str, Any], path: Path, what: str) -> None:
+    kind = config.get("model_type")
+    if kind not in LLAMA_TYPES:
+        raise BuildError(f"{what} needs a Llama-architecture checkpoint ({', '.join(LLAMA_TYPES)}); "
+                         f"{path} is model_type {kind!r}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise BuildError(f"{what}: {path} uses attention/MLP biases, which the derived formats do not carry")
+
+
+def load_base(path: Path | str, what: str) -> Base:
+    """Read a Llama-architecture checkpoint (config + every ``*.safetensors`` shard), or raise BuildError."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    config = read_config(path)
+    check_llama(config, path, what)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise BuildError(f"{path} has no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(shard))
+    n = int(config["num_hidden_layers"])
+    for i in (0, n - 1):
+        if f"model.layers.{i}.self_attn.q_proj.weight" not in tensors:
+            raise BuildError(f"{path}: weights for layer {i} are missing (config says {n} layers)")
+    return Base(path, config, tensors)
+
+
+def check_new_dir(out: Path | str, force: bool = False) -> Path:
+    out = Path(out).expanduser()
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise BuildError(f"{out} already exists and is not empty (pass --force to replace it)")
+    return out
+
+
+@contextmanager
+def atomic_output(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces ``out``, on any error it is removed."""
+    out = check_new_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def save_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    manifest: dict[str, Any]) -> None:
+    """config.json + model.safetensors (+ a manifest listing the files, as prepared models have)."""
+    from safetensors.torch import save_file
+
+    if config.get("tie_word_embeddings"):
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    # every tensor gets its own storage: safetensors refuses shared memory
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (out / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2))
+
+
+def tiny_llama(out: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+               intermediate: int = 128, vocab: int = 256, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """A random tiny Llama checkpoint (the tests' preset base for every family builder)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    if tokenizer_from is not None:
+        copy_tokenizer(tokenizer_from, out)
+    return out

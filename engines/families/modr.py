@@ -1,0 +1,610 @@
+"""MoDr: a recurrent-depth transformer whose recurrent core has N routed LoRA branches (methods.md 7-8).
+
+Structure (Huginn): prelude P, recurrent core R, coda C over a frozen Llama-architecture base::
+
+    e   = P(embed(x))                                   # (B, L, h)
+    s_0 = e                                             # see "choices" below
+    h_t = adapter([s_{t-1}; e])                         # Linear 2h -> h
+    s_t = R_branch(h_t)                                 # core layers, q/k/v/o + g * LoRA_branch
+    out = head(norm(C(s_T)))
+
+Router (section 8): ``u = W_router h_t`` (N x h); ``r = sigmoid(mean over the sequence's tokens of u)``;
+branch ``= argmax(r + b)``; gate ``g = r[branch]`` (bias excluded). Prefill routes once per sequence
+(per prefill chunk for prompts longer than the engine's chunk); in decoding n = 1, so every new token
+is routed again (relay) while past tokens' K/V stay as computed.
+
+Choices methods.md leaves open, made here:
+
+- The router is re-evaluated at every recurrence step (its input h_t changes with the state).
+- g scales the chosen branch's LoRA delta in every core projection: ``W x + g (alpha/r) B A x``.
+  So fresh branches (B = 0) leave the core exactly the base's, whatever the router says.
+- Retrofitting starts from ``s_0 = e`` and ``adapter = [I/2 | I/2]``: the first recurrence sees
+  exactly e, so with contiguous layer ranges covering the base, one recurrence with fresh branches
+  *is* the base model (tested); later steps see the mean of state and injection. (Huginn samples
+  s_0 from a truncated normal; ``state_init: random`` does that.)
+- KV cache: one slot per (core layer, recurrence step). A token that stops early (adaptive exit or a
+  lower ``recurrence``) gets its last step's K/V copied into the later steps' slots, so later tokens
+  read the latest state (Huginn's "latest" lookup). ``kv_share: N`` keeps only N step slots
+  (step t uses slot t mod N, overwriting).
+- Adaptive exit compares successive next-token distributions (coda + head run on the state after
+  each step, without writing the coda's cache) and stops a token when ``KL(p_{t-1} || p_t)`` falls
+  under the threshold; it applies to decoded tokens (a prompt runs the requested recurrence).
+
+Checkpoint (`save_modr` / `load_modr`): ``config.json`` (``model_type: chorus_modr``, the base
+reference, layer ranges, branch settings), ``modr.safetensors`` (adapter, router, bias, LoRA A/B)
+and the tokenizer files; the base weights stay in the base directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from engines.families.checkpoint import BuildError, MANIFEST, atomic_output, check_llama, check_new_dir, copy_tokenizer, read_config
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+WEIGHTS = "modr.safetensors"
+
+
+@dataclass
+class MoDrConfig:
+    prelude: tuple[int, int]  # base layer ranges, half-open
+    core: tuple[int, int]
+    coda: tuple[int, int]
+    branches: int = 4
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+    recurrence: int = 4  # served when a request does not say
+    max_recurrence: int = 64
+    state_init: Literal["embed", "random"] = "embed"
+    state_sigma: float = 1.0
+    kv_share: int | None = None
+    router_eta: float = 0.001
+    base: str = ""  # the base checkpoint directory
+
+    @classmethod
+    def tiny(cls, n_layers: int = 4) -> MoDrConfig:
+        return cls(prelude=(0, 1), core=(1, n_layers - 1), coda=(n_layers - 1, n_layers), branches=4, rank=4,
+                   alpha=4.0, recurrence=2, max_recurrence=8)
+
+    @classmethod
+    def retrofit(cls, n_layers: int, **kw: Any) -> MoDrConfig:
+        """Default ranges: a fifth of the layers prelude, a fifth coda, the middle the core."""
+        p = max(1, n_layers // 5)
+        return cls(prelude=(0, p), core=(p, n_layers - p), coda=(n_layers - p, n_layers), **kw)
+
+    def check(self, n_layers: int) -> None:
+        ranges = {"prelude": self.prelude, "core": self.core, "coda": self.coda}
+        for name, (a, b) in ranges.items():
+            if not (0 <= a < b <= n_layers):
+                raise BuildError(f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers")
+        if not (self.prelude[1] <= self.core[0] and self.core[1] <= self.coda[0]):
+            raise BuildError(f"layer ranges must be in order prelude < core < coda without overlap "
+                             f"(got {list(self.prelude)}, {list(self.core)}, {list(self.coda)})")
+        if self.branches < 1:
+            raise BuildError(f"branches must be >= 1 (got {self.branches})")
+        if self.rank < 1:
+            raise BuildError(f"LoRA rank must be >= 1 (got {self.rank})")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise BuildError(f"LoRA targets must be among {', '.join(TARGETS)} (got {list(self.targets)})")
+        if not 1 <= self.recurrence <= self.max_recurrence:
+            raise BuildError(f"recurrence must be between 1 and max_recurrence={self.max_recurrence} (got {self.recurrence})")
+        if self.kv_share is not None and self.kv_share < 1:
+            raise BuildError(f"kv_share must be >= 1 (got {self.kv_share})")
+
+    @property
+    def contiguous(self) -> bool:
+        return self.prelude[0] == 0 and self.prelude[1] == self.core[0] and self.core[1] == self.coda[0]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(prelude=list(self.prelude), core=list(self.core), coda=list(self.coda), targets=list(self.targets))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> MoDrConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in d.items() if k in known}
+        for k in ("prelude", "core", "coda", "targets"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+
+class BranchLoRA(nn.Module):
+    """A frozen linear plus N LoRA branches; each row of the batch uses its own branch and gate.
+
+    ``branch`` (B,) and ``gate`` (B,) are set before a forward; ``None`` = the plain linear.
+    """
+
+    def __init__(self, base: nn.Linear, branches: int, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.A = nn.Parameter(torch.randn(branches, rank, base.in_features) / math.sqrt(base.in_features))
+        self.B = nn.Parameter(torch.zeros(branches, base.out_features, rank))  # zero: fresh branches add nothing
+        self.branch: torch.Tensor | None = None
+        self.gate: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, L, in)
+        y = self.base(x)
+        if self.branch is None or self.gate is None:
+            return y
+        if self.branch.dim() == 1:  # one branch per row
+            a = self.A.index_select(0, self.branch)  # (B, r, in)
+            b = self.B.index_select(0, self.branch)  # (B, out, r)
+            d = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))  # (B, L, out)
+            g = self.gate[:, None, None]
+        else:  # one branch per token (reference path of the tests)
+            a, b = self.A[self.branch], self.B[self.branch]  # (B, L, r, in), (B, L, out, r)
+            d = torch.einsum("blor,blr->blo", b, torch.einsum("blri,bli->blr", a, x))
+            g = self.gate[..., None]
+        return y + d * (self.scale * g).to(d.dtype)
+
+
+@dataclass
+class RowControl:
+    """What one row of a forward wants: its recurrence count and exit threshold (None = no exit)."""
+
+    recurrence: int
+    exit_kl: float | None = None
+
+
+@dataclass
+class RowReport:
+    """What one row's last forward did: the branch per executed step, and the steps used."""
+
+    branches: list[int] = field(default_factory=list)
+    steps: int = 0
+
+
+class _Slots:
+    """The layers' view of the cache: maps a layer call to a slot, appends once per forward, then overwrites.
+
+    Slot layout: prelude layers, coda layers, then the core layers of step 0, step 1, ... New step
+    slots on a cache that already holds tokens start as a copy of the latest step ("latest" lookup).
+    """
+
+    def __init__(self, cache: Any, n_pre: int, n_coda: int, n_core: int) -> None:
+        self.cache = cache
+        self.n_pre, self.n_coda, self.n_core = n_pre, n_coda, n_core
+        self.written: set[int] = set()
+        self.peek = False
+
+    def core_slot(self, step_slot: int, i: int) -> int:
+        return self.n_pre + self.n_coda + step_slot * self.n_core + i
+
+    def steps_held(self) -> int:
+        return max(0, (len(self.cache.layers) - self.n_pre - self.n_coda) // self.n_core)
+
+    def ensure_steps(self, n: int) -> None:
+        from engines.batching import GrowingLayer
+
+        have = self.steps_held()
+        layers = self.cache.layers
+        while len(layers) < self.n_pre + self.n_coda:
+            layers.append(GrowingLayer())
+        for step in range(have, n):
+            for i in range(self.n_core):
+                src = layers[self.core_slot(step - 1, i)] if step > 0 else None
+                if src is not None and src.is_initialized:
+                    layers.append(GrowingLayer(src.keys, src.values))  # latest step's K/V for past tokens
+                else:
+                    layers.append(GrowingLayer())
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.cache.layers[idx]
+        if self.peek:  # exit probe through the coda: read the cache, write nothing
+            if not layer.is_initialized:
+                return k, v
+            return torch.cat([layer.keys, k], -2), torch.cat([layer.values, v], -2)
+        if idx in self.written:
+            return layer.overwrite_tail(k, v)
+        self.written.add(idx)
+        return layer.update(k, v)
+
+    def copy_tail(self, dst: int, src: int, rows: torch.Tensor, n: int) -> None:
+        d, s = self.cache.layers[dst], self.cache.layers[src]
+        d.keys[rows, :, -n:] = s.keys[rows, :, -n:]
+        d.values[rows, :, -n:] = s.values[rows, :, -n:]
+
+
+@dataclass
+class MoDrOutput:
+    logits: torch.Tensor
+
+
+class MoDrModel(nn.Module):
+    """Prelude / recurrent core with routed LoRA branches / coda over a Llama-architecture base."""
+
+    def __init__(self, base: nn.Module, cfg: MoDrConfig) -> None:
+        super().__init__()
+        n = base.config.num_hidden_layers
+        cfg.check(n)
+        self.cfg = cfg
+        self.config = base.config
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        layers = base.model.layers
+        self.prelude = nn.ModuleList(layers[cfg.prelude[0]: cfg.prelude[1]])
+        self.core = nn.ModuleList(layers[cfg.core[0]: cfg.core[1]])
+        self.coda = nn.ModuleList(layers[cfg.coda[0]: cfg.coda[1]])
+        h = base.config.hidden_size
+        self.adapter = nn.Linear(2 * h, h, bias=False)  # over [s; e]
+        with torch.no_grad():
+            eye = torch.eye(h)
+            self.adapter.weight.copy_(torch.cat([eye * 0.5, eye * 0.5], 1))
+        self.router = nn.Linear(h, cfg.branches, bias=False)
+        nn.init.normal_(self.router.weight, std=0.02)
+        self.register_buffer("router_bias", torch.zeros(cfg.branches))
+        self.loras: list[BranchLoRA] = []
+        for layer in self.core:
+            for t in cfg.targets:
+                lora = BranchLoRA(getattr(layer.self_attn, t), cfg.branches, cfg.rank, cfg.alpha)
+                setattr(layer.self_attn, t, lora)
+                self.loras.append(lora)
+        #: per-row controls for the next forward (set by the engine); None: every row uses cfg.recurrence
+        self.controls: list[RowControl | None] | None = None
+        self.reports: list[RowReport] = []
+        self.use_branches = True
+
+    # ---- parameters ----
+    def branch_parameters(self) -> dict[str, nn.Parameter]:
+        out = {"adapter.weight": self.adapter.weight, "router.weight": self.router.weight}
+        for i, lora in enumerate(self.loras):
+            out[f"lora.{i}.A"] = lora.A
+            out[f"lora.{i}.B"] = lora.B
+        return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {**{k: v.detach() for k, v in self.branch_parameters().items()}, "router.bias": self.router_bias}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        want = self.state_tensors()
+        missing = sorted(set(want) - set(tensors))
+        if missing:
+            raise BuildError(f"MoDr weights are missing {missing[:4]}")
+        with torch.no_grad():
+            for k, t in want.items():
+                if t.shape != tensors[k].shape:
+                    raise BuildError(f"MoDr weight {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
+                t.copy_(tensors[k])
+
+    # ---- pieces ----
+    def _set_route(self, branch: torch.Tensor | None, gate: torch.Tensor | None) -> None:
+        for lora in self.loras:
+            lora.branch, lora.gate = branch, gate
+
+    def route(self, h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: (B, L, h), valid: (B, L) -> branch (B,), gate (B,), r (B, N): one decision per row."""
+        u = self.router(h)  # (B, L, N)
+        w = valid.to(u.dtype).unsqueeze(-1)  # (B, L, 1)
+        mean = (u * w).sum(1) / w.sum(1).clamp(min=1)  # (B, N)
+        r = torch.sigmoid(mean)
+        branch = torch.argmax(r + self.router_bias, dim=-1)  # (B,)
+        gate = r.gather(1, branch[:, None]).squeeze(1)  # (B,)
+        return branch, gate, r
+
+    def _run(self, layers: nn.ModuleList, x: torch.Tensor, slots: list[int] | None, cache: _Slots | None,
+             mask: torch.Tensor | None, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            if slots is not None:
+                layer.self_attn.layer_idx = slots[i]
+            x = layer(x, attention_mask=mask, position_ids=pos, cache=cache, position_embeddings=rope)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.lm_head(self.base.model.norm(x))
+
+    # ---- forward ----
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor = 0, recurrence: int | None = None,
+                route_per_token: bool = False, grad_steps: int | None = None, **_: Any) -> MoDrOutput:
+        """input_ids (B, L); attention_mask: a 4-D boolean (B, 1, L, T+L) mask or None (causal);
+        ``recurrence`` overrides the per-row controls for every row; ``route_per_token`` routes each
+        token on its own (what decoding does token by token; the equivalence tests use it);
+        ``grad_steps`` (training) keeps gradients for the last k recurrence steps only."""
+        cfg = self.cfg
+        b, l = input_ids.shape
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + l, device=input_ids.device).unsqueeze(0).expand(b, l)
+        if attention_mask is None:
+            causal = torch.ones(l, l, dtype=torch.bool, device=input_ids.device).tril()
+            attention_mask = causal[None, None].expand(b, 1, l, l)
+        valid = attention_mask[:, 0].diagonal(offset=attention_mask.shape[-1] - l, dim1=-2, dim2=-1)  # (B, L)
+        controls = self.controls or [None] * b
+        wanted = [recurrence or (c.recurrence if c else cfg.recurrence) for c in controls]
+        rec = torch.tensor(wanted, device=input_ids.device)  # (B,)
+        exit_kl = torch.tensor([c.exit_kl if (c and c.exit_kl is not None and l == 1) else -1.0 for c in controls],
+                               device=input_ids.device)  # (B,), -1 = off
+        steps_max = int(rec[valid.any(1)].max()) if bool(valid.any()) else 1
+        share = cfg.kv_share
+        slots = _Slots(cache, len(self.prelude), len(self.coda), len(self.core)) if cache is not None else None
+        if slots is not None:
+            slots.ensure_steps(min(steps_max, share) if share else steps_max)
+
+        x = self.base.model.embed_tokens(input_ids)  # (B, L, h)
+        rope = self.base.model.rotary_emb(x, position_ids=position_ids)
+        e = self._run(self.prelude, x, list(range(len(self.prelude))) if slots else None, slots, attention_mask,
+                      position_ids, rope)  # (B, L, h)
+        if cfg.state_init == "random" and self.training:
+            s = torch.nn.init.trunc_normal_(torch.empty_like(e), std=cfg.state_sigma, a=-3 * cfg.state_sigma,
+                                            b=3 * cfg.state_sigma)
+        else:
+            s = e
+        active = valid.any(1)  # (B,) rows still recurring
+        used = torch.zeros(b, dtype=torch.long, device=e.device)
+        branch_log: list[torch.Tensor] = []
+        prev_logp: torch.Tensor | None = None
+        coda_slots = [len(self.prelude) + i for i in range(len(self.coda))]
+        for t in range(steps_max):
+            track = grad_steps is None or t >= steps_max - grad_steps
+            with torch.set_grad_enabled(torch.is_grad_enabled() and track):
+                h = self.adapter(torch.cat([s, e], -1))  # (B, L, h)
+                if route_per_token:
+                    branch, gate = self._route_tokens(h)
+                else:
+                    branch, gate, _ = self.route(h, valid)
+                self._set_route(branch if self.use_branches else None, gate if self.use_branches else None)
+                step_slot = t % share if share else t
+                core_slots = [slots.core_slot(step_slot, i) for i in range(len(self.core))] if slots else None
+                try:
+                    y = self._run(self.core, h, core_slots, slots, attention_mask, position_ids, rope)
+                finally:
+                    self._set_route(None, None)
+                go = (active & (rec > t))[:, None, None]  # (B, 1, 1)
+                s = torch.where(go, y, s)
+            running = active & (rec > t)
+            used += running.long()
+            branch_log.append(torch.where(running, branch if branch.dim() == 1 else branch[:, -1], -1))
+            active = running
+            if bool((exit_kl > 0).any()) and t + 1 < steps_max:
+                with torch.no_grad():
+                    if slots is not None:
+                        slots.peek = True
+                    try:
+                        probe = self._run(self.coda, s, coda_slots if slots else None, slots, attention_mask,
+                                          position_ids, rope)
+                    finally:
+                        if slots is not None:
+                            slots.peek = False
+                    logp = torch.log_softmax(self.head(probe[:, -1]).float(), -1)  # (B, V)
+                    if prev_logp is not None:
+                        kl = (prev_logp.exp() * (prev_logp - logp)).sum(-1)  # KL(p_{t-1} || p_t)
+                        active = active & ~((exit_kl > 0) & (kl < exit_kl))
+                    prev_logp = logp
+            if not bool(active.any()):
+                break
+        if slots is not None:
+            self._fill_late_slots(slots, used, len(branch_log), l, share)
+        out = self._run(self.coda, s, coda_slots if slots else None, slots, attention_mask, position_ids, rope)
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            out = out[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            out = out.index_select(1, logits_to_keep)
+        logs = torch.stack(branch_log, 1).tolist() if branch_log else [[] for _ in range(b)]  # (B, steps)
+        self.reports = [RowReport([x for x in row if x >= 0], int(n)) for row, n in zip(logs, used.tolist())]
+        return MoDrOutput(self.head(out))
+
+    def _route_tokens(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.sigmoid(self.router(h))  # (B, L, N)
+        branch = torch.argmax(r + self.router_bias, -1)  # (B, L)
+        return branch, r.gather(-1, branch[..., None]).squeeze(-1)
+
+    def _fill_late_slots(self, slots: _Slots, used: torch.Tensor, ran: int, n_new: int, share: int | None) -> None:
+        """Tokens that stopped before the last slot: copy their last step's K/V into the later slots.
+
+        Slots no row reached in this forward get the last written step's columns appended first, so
+        every cache layer keeps the same length."""
+        total = slots.steps_held()
+        last_written = (ran - 1) % share if share else ran - 1
+        for step in range(total):
+            for i in range(slots.n_core):
+                idx = slots.core_slot(step, i)
+                if idx not in slots.written:
+                    src = slots.cache.layers[slots.core_slot(last_written, i)]
+                    slots.cache.layers[idx].update(src.keys[:, :, -n_new:].clone(), src.values[:, :, -n_new:].clone())
+                    slots.written.add(idx)
+        for row in range(used.shape[0]):
+            last = int(used[row]) - 1
+            if last < 0:
+                continue
+            src_step = last % share if share else last
+            for step in range(last + 1, total if not share else min(total, ran)):
+                dst = step % share if share else step
+                if dst == src_step:
+                    continue
+                rows = torch.tensor([row], device=used.device)
+                for i in range(slots.n_core):
+                    slots.copy_tail(slots.core_slot(dst, i), slots.core_slot(src_step, i), rows, n_new)
+
+    # ---- batching support ----
+    def match_cache_layers(self, a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Two caches with different numbers of step slots: extend the shorter with its latest step."""
+        from engines.batching import GrowingLayer
+
+        fixed = len(self.prelude) + len(self.coda)
+        core = len(self.core)
+
+        def grow(layers: list[Any], steps: int) -> list[Any]:
+            layers = list(layers)
+            while (len(layers) - fixed) // core < steps:
+                last = layers[len(layers) - core: len(layers)]
+                layers.extend(GrowingLayer(x.keys, x.values) for x in last)
+            return layers
+
+        steps = max((len(a) - fixed) // core, (len(b) - fixed) // core)
+        return grow(a, steps), grow(b, steps)
+
+
+def retrofit(base: nn.Module, cfg: MoDrConfig) -> MoDrModel:
+    return MoDrModel(base, cfg)
+
+
+def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path).expanduser()
+    check_llama(read_config(path), path, "MoDr")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def is_modr_dir(path: Path | str) -> bool:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "chorus_modr"
+    except (OSError, ValueError):
+        return False
+
+
+def save_modr(model: MoDrModel, out: Path, *, extra: dict[str, Any] | None = None) -> None:
+    """Write config + branch weights into ``out`` (an existing empty directory) and the tokenizer files."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().clone() for k, v in model.state_tensors().items()}, str(out / WEIGHTS),
+              metadata={"format": "pt"})
+    base = Path(model.cfg.base)
+    config = {"model_type": "chorus_modr", "architectures": ["MoDrModel"], "modr": model.cfg.to_json(),
+              "base": str(base), "base_model_type": model.config.model_type,
+              "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size, **(extra or {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if base.is_dir():
+        copy_tokenizer(base, out)
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (out / MANIFEST).write_text(json.dumps({"family": "modr", "base": str(base), "files": files}, indent=2))
+
+
+def load_modr(path: Path | str, dtype: torch.dtype = torch.float32, **overrides: Any) -> MoDrModel:
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    config = read_config(path)
+    if config.get("model_type") != "chorus_modr":
+        raise BuildError(f"{path} is not a MoDr checkpoint (model_type {config.get('model_type')!r})")
+    cfg = MoDrConfig.from_json({**config["modr"], **overrides})
+    base_dir = Path(config["base"])
+    if not base_dir.is_absolute():
+        base_dir = (path / base_dir).resolve()
+    if not (base_dir / "config.json").is_file():
+        raise BuildError(f"{path}: its base checkpoint {base_dir} is missing")
+    base = load_base_model(base_dir, dtype)
+    if base.config.hidden_size != config.get("hidden_size", base.config.hidden_size):
+        raise BuildError(f"{path}: base {base_dir} has hidden size {base.config.hidden_size}, "
+                         f"the branches were built for {config['hidden_size']}")
+    cfg.base = str(base_dir)
+    model = MoDrModel(base, cfg)
+    model.load_state_tensors(load_file(path / WEIGHTS))
+    for p in model.parameters():  # serving: nothing trains (chorus train modr turns the branches back on)
+        p.requires_grad_(False)
+    return model.to(dtype).eval()
+
+
+def build_retrofit(base_dir: Path | str, out: Path | str, cfg: MoDrConfig | None = None, *, force: bool = False,
+                   seed: int = 0, log: Any = print, **kw: Any) -> Path:
+    """A fresh MoDr checkpoint retrofitted from a Llama-architecture base (branches untrained)."""
+    base_dir = Path(base_dir).expanduser().resolve()
+    out = check_new_dir(out, force)
+    config = read_config(base_dir)
+    check_llama(config, base_dir, "MoDr retrofit")
+    cfg = cfg or MoDrConfig.retrofit(int(config["num_hidden_layers"]), **kw)
+    cfg.base = str(base_dir)
+    cfg.check(int(config["num_hidden_layers"]))
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = MoDrModel(load_base_model(base_dir), cfg)
+    with atomic_output(out, force) as tmp:
+        save_modr(model, tmp, extra={"seconds": round(time.perf_counter() - t0, 1)})
+    log(f"retrofitted {base_dir.name} into MoDr (prelude {list(cfg.prelude)}, core {list(cfg.core)}, "
+        f"coda {list(cfg.coda)}, {cfg.branches} branches, rank {cfg.rank}) at {out}")
+    return out
+
+
+def check_options(options: dict[str, Any], cfg: MoDrConfig) -> None:
+    """A request's ``recurrence`` and ``exit`` (400 with the parameter named when wrong)."""
+    from engines.errors import InvalidRequest
+
+    rec = options.get("recurrence")
+    if rec is not None and (isinstance(rec, bool) or not isinstance(rec, int) or not 1 <= rec <= cfg.max_recurrence):
+        raise InvalidRequest(f"'recurrence' must be an integer from 1 to {cfg.max_recurrence} for this model.",
+                             param="recurrence")
+    ex = options.get("exit")
+    if ex is not None:
+        kl = ex.get("kl") if isinstance(ex, dict) else None
+        if not isinstance(ex, dict) or set(ex) - {"kl"} or isinstance(kl, bool) or not isinstance(kl, (int, float)) \
+                or not kl > 0:
+            raise InvalidRequest("'exit' must be an object like {\"kl\": 5e-4}: stop recurring a token once the KL "
+                                 "divergence between successive next-token distributions is below kl (> 0).",
+                                 param="exit")
+
+
+class RoutingObserver:
+    """The batching engine's `RowObserver` for MoDr: hands each row its recurrence / exit before a
+    forward, and records the branch per step and the steps used per token afterwards (``session.family``),
+    plus totals since start-up for Prometheus (a collapsed router shows as one branch taking everything)."""
+
+    def __init__(self, model: MoDrModel) -> None:
+        self.model = model
+        self.branch_totals = [0] * model.cfg.branches
+        self.steps_total = 0
+        self.tokens_total = 0
+
+    def control(self, options: dict[str, Any]) -> RowControl:
+        ex = options.get("exit") or {}
+        return RowControl(int(options.get("recurrence") or self.model.cfg.recurrence), ex.get("kl"))
+
+    def before(self, rows: list[Any]) -> None:
+        self.model.controls = [self.control(s.options) if s is not None else None for s in rows]
+
+    def after(self, rows: list[Any], lens: list[int], width: int) -> None:
+        for s, rep, n in zip(rows, self.model.reports, lens):
+            if s is None or n == 0:
+                continue
+            if s.family is None:
+                s.family = {"prompt": [], "tokens": []}
+            for b in rep.branches:
+                self.branch_totals[b] += 1
+            if s.joined:
+                s.family["tokens"].append(rep)
+                self.steps_total += rep.steps
+                self.tokens_total += 1
+            else:
+                s.family["prompt"].append(rep)
+        self.model.controls = None
+
+    def trace(self, sessions: list[Any]) -> dict[str, Any]:
+        fams = [s.family or {"prompt": [], "tokens": []} for s in sessions]
+        prompt = fams[0]["prompt"] if fams else []
+        usage = [0] * self.model.cfg.branches
+        for f in fams:
+            for rep in [*f["prompt"], *f["tokens"]]:
+                for b in rep.branches:
+                    usage[b] += 1
+        ctl = self.control(sessions[0].options) if sessions else RowControl(self.model.cfg.recurrence)
+        return {"modr": {
+            "recurrence": ctl.recurrence, "exit_kl": ctl.exit_kl,
+            "prompt": [{"branches": r.branches, "steps": r.steps} for r in prompt],
+            "choices": [{"branches": [r.branches for r in f["tokens"]], "steps": [r.steps for r in f["tokens"]]}
+                        for f in fams],
+            "branch_usage": usage,
+        }}
+
+    def metrics(self) -> list[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+        return [
+            ("chorus_modr_branch_selections", "Routing decisions per MoDr branch (one per token or prompt per step)",
+             ["branch"], [([str(i)], float(c)) for i, c in enumerate(self.branch_totals)]),
+            ("chorus_modr_recurrence_steps", "Recurrence steps run for decoded tokens", [],
+             [([], float(self.steps_total))]),
+            ("chorus_modr_decoded_tokens", "Tokens decoded (steps / tokens = mean recurrence)", [],
+             [([], float(self.tokens_total))]),
+        ]

@@ -1,0 +1,113 @@
+"""``chorus upcycle``, ``chorus graft`` and ``chorus train modr``: building model-family checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (half-open layer range), got {text!r}") from None
+
+
+def _fail(exc: Exception) -> int:
+    print(f"chorus: {exc}", file=sys.stderr)
+    return 2
+
+
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    from engines.families.checkpoint import BuildError
+    from engines.families.moe import UpcycleConfig, upcycle
+
+    try:
+        upcycle(args.base, args.out, UpcycleConfig(experts=args.experts, top_k=args.top_k,
+                                                   shared_expert=args.shared_expert, router=args.router,
+                                                   noise=args.noise, seed=args.seed), force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def cmd_graft(args: argparse.Namespace) -> int:
+    from engines.families.checkpoint import BuildError
+    from engines.families.graft import GraftConfig, graft
+
+    try:
+        graft(args.base, args.out, GraftConfig(drop=args.drop), force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def cmd_train_modr(args: argparse.Namespace) -> int:
+    from engines.families.checkpoint import BuildError
+    from engines.families.modr_train import TrainConfig, train_modr
+
+    modr: dict[str, Any] = {"branches": args.branches, "rank": args.rank, "alpha": args.alpha}
+    ranges = {k: getattr(args, k) for k in ("prelude", "core", "coda") if getattr(args, k) is not None}
+    if ranges and len(ranges) != 3:
+        return _fail(BuildError("give all three of --prelude, --core and --coda (or none for the default split)"))
+    modr.update(ranges)
+    if args.max_recurrence is not None:
+        modr["max_recurrence"] = args.max_recurrence
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                     mean_recurrence=args.mean_recurrence, bptt=args.bptt, eta=args.eta, seed=args.seed,
+                     device=args.device, log_every=args.log_every)
+    try:
+        train_modr(args.base, args.data, args.out, tc, modr=modr, force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def add_family_commands(sub: Any) -> None:
+    u = sub.add_parser("upcycle", help="sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE")
+    u.add_argument("--base", required=True, help="dense Llama-architecture checkpoint directory")
+    u.add_argument("--experts", type=int, required=True)
+    u.add_argument("--top-k", type=int, required=True)
+    u.add_argument("--shared-expert", action="store_true", help="Qwen2-MoE layout with a gated shared expert")
+    u.add_argument("--router", choices=["random", "hidden"], default="random",
+                   help="router init: random, or the principal directions of each layer's MLP inputs")
+    u.add_argument("--noise", type=float, default=0.0, help="perturb each expert copy by noise * std(W)")
+    u.add_argument("--seed", type=int, default=0)
+    u.add_argument("--out", required=True)
+    u.add_argument("--force", action="store_true", help="replace an existing output directory")
+    u.set_defaults(func=cmd_upcycle)
+
+    g = sub.add_parser("graft", help="SOLAR depth up-scaling: layers [0, n-M) then [M, n)")
+    g.add_argument("--base", required=True)
+    g.add_argument("--drop", type=int, required=True, help="M: layers dropped at the seam from each copy")
+    g.add_argument("--out", required=True)
+    g.add_argument("--force", action="store_true")
+    g.set_defaults(func=cmd_graft)
+
+    t = sub.add_parser("train", help="training").add_subparsers(dest="train_cmd", required=True)
+    m = t.add_parser("modr", help="train MoDr's LoRA branches and router (retrofitting a Llama base, or "
+                                  "continuing a MoDr checkpoint)")
+    m.add_argument("--base", required=True, help="Llama checkpoint (retrofit) or MoDr checkpoint directory")
+    m.add_argument("--data", required=True, help="JSONL: text | prompt+completion | question+answer | messages")
+    m.add_argument("--out", required=True)
+    m.add_argument("--steps", type=int, default=50)
+    m.add_argument("--batch-size", type=int, default=4)
+    m.add_argument("--seq-len", type=int, default=128)
+    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--mean-recurrence", type=float, default=4.0, help="Huginn trains with 32 (GPU)")
+    m.add_argument("--bptt", type=int, default=2, help="backpropagate through the last k steps (Huginn: 8)")
+    m.add_argument("--eta", type=float, default=0.001, help="router bias step (0 lets the routing collapse)")
+    m.add_argument("--branches", type=int, default=4)
+    m.add_argument("--rank", type=int, default=16)
+    m.add_argument("--alpha", type=float, default=16.0)
+    m.add_argument("--prelude", type=_range, help="START:END of the base's layers (retrofit)")
+    m.add_argument("--core", type=_range)
+    m.add_argument("--coda", type=_range)
+    m.add_argument("--max-recurrence", type=int)
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--log-every", type=int, default=10)
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(func=cmd_train_modr)
