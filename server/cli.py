@@ -230,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     bl = with_config(b.add_parser("load", help="N clients for T seconds: outcomes, errors, p99, memory"))
     load_arguments(bl)
     bl.set_defaults(func=cmd_bench_load)
+    from clients.bench_families import add_arguments as families_arguments, run as bench_families
+
+    bf = with_config(b.add_parser("families", help="MoDr routing overhead and KV cache, MoE vs dense"))
+    families_arguments(bf)
+    bf.set_defaults(func=bench_families)
     from clients.bench_gateway import add_arguments as gateway_arguments
 
     bg = b.add_parser("gateway", help="gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk")

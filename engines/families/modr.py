@@ -353,11 +353,13 @@ class MoDrModel(nn.Module):
             track = grad_steps is None or t >= steps_max - grad_steps
             with torch.set_grad_enabled(torch.is_grad_enabled() and track):
                 h = self.adapter(torch.cat([s, e], -1))  # (B, L, h)
-                if route_per_token:
+                if not self.use_branches:  # the plain recurrent core (the benchmark's baseline)
+                    branch, gate = torch.zeros(b, dtype=torch.long, device=h.device), None
+                elif route_per_token:
                     branch, gate = self._route_tokens(h)
                 else:
                     branch, gate, _ = self.route(h, valid)
-                self._set_route(branch if self.use_branches else None, gate if self.use_branches else None)
+                self._set_route(branch if self.use_branches else None, gate)
                 step_slot = t % share if share else t
                 core_slots = [slots.core_slot(step_slot, i) for i in range(len(self.core))] if slots else None
                 try:

@@ -1,0 +1,96 @@
+"""The model families of the default config (smollm2-moe, smollm2-modr) on the real SmolLM2, via the openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.families.modr import load_modr
+from server.config import ChorusConfig
+from tests.conftest import LiveServer
+from tests.integration.conftest import SMOL
+
+pytestmark = pytest.mark.integration
+
+MOE, MODR = "smollm2-moe", "smollm2-modr"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_prepared_family_checkpoints_reproduce_the_dense_model(default_config: ChorusConfig) -> None:
+    """Identical experts (upcycling) and one recurrence with fresh branches (MoDr) are the dense model."""
+    dense_dir = default_config.model(SMOL).checkpoint_dir()
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 1, 2, 30, 4000, 17, 18]])
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir).eval()
+    moe = AutoModelForCausalLM.from_pretrained(default_config.model(MOE).checkpoint_dir()).eval()
+    modr = load_modr(default_config.model(MODR).checkpoint_dir())
+    with torch.no_grad():
+        want = dense(ids).logits
+        assert (moe(ids).logits - want).abs().max() < 1e-4
+        assert (modr(ids, recurrence=1).logits - want).abs().max() < 1e-4
+    assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.num_local_experts == 4
+    assert (modr.cfg.prelude, modr.cfg.core, modr.cfg.coda, modr.cfg.branches) == ((0, 6), (6, 24), (24, 30), 4)
+
+
+def test_families_listed_and_answer_like_the_dense_model(sdk: openai.OpenAI) -> None:
+    ids = {m.id for m in sdk.models.list()}
+    assert {MOE, MODR, "families-default"} <= ids
+    want = sdk.chat.completions.create(model=SMOL, messages=ASK, temperature=0, max_tokens=16).choices[0].message.content
+    for model in (MOE, MODR, "families-default"):
+        got = sdk.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=16)
+        assert got.choices[0].message.content == want, model  # all three share SmolLM2's function and vocabulary
+
+
+def test_moe_trace_and_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> None:
+    r = sdk.chat.completions.create(model=MOE, messages=ASK, temperature=0, max_tokens=8, extra_body={"trace": True})
+    load = r.model_extra["trace"]["experts"]
+    counts = torch.tensor(load["tokens_per_expert"])
+    assert counts.shape == (30, 4)
+    # every prompt token and every generated token but the last (which is sampled, not fed back) is routed to 2 experts
+    tokens = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+    assert (counts.sum(1) == 2 * tokens).all()
+    assert 0 < load["balance"] <= 1
+    text = httpx.get(real_server.url + "/metrics").text
+    assert f'chorus_moe_expert_tokens_total{{expert="0",layer="0",model="{MOE}"}}' in text
+
+
+def test_modr_recurrence_exit_and_trace(sdk: openai.OpenAI) -> None:
+    r = sdk.chat.completions.create(model=MODR, messages=ASK, temperature=0, max_tokens=6,
+                                    extra_body={"recurrence": 3, "trace": True})
+    modr = r.model_extra["trace"]["modr"]
+    assert modr["recurrence"] == 3 and modr["prompt"][0]["steps"] == 3
+    assert modr["choices"][0]["steps"] == [3] * (r.usage.completion_tokens - 1)
+    assert all(len(b) == 3 and all(0 <= x < 4 for x in b) for b in modr["choices"][0]["branches"])
+    ex = sdk.chat.completions.create(model=MODR, messages=ASK, temperature=0, max_tokens=6,
+                                     extra_body={"recurrence": 6, "exit": {"kl": 10.0}, "trace": True})
+    steps = ex.model_extra["trace"]["modr"]["choices"][0]["steps"]
+    assert steps and all(2 <= s < 6 for s in steps)  # a loose threshold stops every token early
+
+
+def test_modr_trace_streams_on_the_last_chunk(sdk: openai.OpenAI) -> None:
+    chunks = list(sdk.chat.completions.create(model=MODR, messages=ASK, temperature=0, max_tokens=5, stream=True,
+                                              extra_body={"recurrence": 2, "trace": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.model_extra["trace"]["modr"]["recurrence"] == 2
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (MODR, {"recurrence": 0}, "recurrence"),
+    (MODR, {"recurrence": 1000}, "recurrence"),
+    (MODR, {"exit": {"kl": "small"}}, "exit"),
+    (SMOL, {"recurrence": 2}, "recurrence"),
+    (MOE, {"exit": {"kl": 1e-3}}, "exit"),
+])
+def test_family_options_refused_with_400(sdk: openai.OpenAI, model: str, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=body)
+    assert err.value.body["param"] == param
+
+
+def test_modr_branch_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> None:
+    sdk.completions.create(model=MODR, prompt="Once upon a time", max_tokens=4, temperature=0)
+    text = httpx.get(real_server.url + "/metrics").text
+    assert f'chorus_modr_branch_selections_total{{branch="0",model="{MODR}"}}' in text
+    assert f'chorus_modr_decoded_tokens_total{{model="{MODR}"}}' in text
