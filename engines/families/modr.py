@@ -120,34 +120,98 @@ class MoDrConfig:
         return cls(**kw)
 
 
-class BranchLoRA(nn.Module):
-    """A frozen linear plus N LoRA branches; each row of the batch uses its own branch and gate.
+class Route:
+    """The routing decision of the current recurrence step, shared by every LoRA of the core (one object,
+    set once per step: cheaper than setting attributes on 72 modules).
 
-    ``branch`` (B,) and ``gate`` (B,) are set before a forward; ``None`` = the plain linear.
+    ``branch`` (B,) or (B, L) and ``gate`` alike; None = the plain core. ``uniform`` = (branch, gate)
+    when every row uses the same branch (always at batch 1): gate a float, or (B,) when rows differ.
     """
 
-    def __init__(self, base: nn.Linear, branches: int, rank: int, alpha: float) -> None:
+    __slots__ = ("branch", "gate", "uniform")
+
+    def __init__(self) -> None:
+        self.branch: torch.Tensor | None = None
+        self.gate: torch.Tensor | None = None
+        self.uniform: tuple[int, float | torch.Tensor] | None = None
+
+
+class BranchLoRA(nn.Module):
+    """A frozen linear plus N LoRA branches (A: (N, r, in), B: (N, out, r), B starts at zero)."""
+
+    def __init__(self, base: nn.Linear, branches: int, rank: int, alpha: float, route: Route) -> None:
         super().__init__()
         self.base = base
         self.scale = alpha / rank
         self.A = nn.Parameter(torch.randn(branches, rank, base.in_features) / math.sqrt(base.in_features))
         self.B = nn.Parameter(torch.zeros(branches, base.out_features, rank))  # zero: fresh branches add nothing
-        self.branch: torch.Tensor | None = None
-        self.gate: torch.Tensor | None = None
+        # plain attributes (not submodules): the shared route, and q_proj leading k_proj / v_proj (same input),
+        # which lets q_proj compute all three deltas in two matmuls
+        self.__dict__.update(route=route, followers=[], leader=None, shared=None, fused={})
+
+    def clear_fused(self) -> None:
+        self.fused.clear()
+
+    def _fused_weights(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Branch k as pre-transposed A^T (in, R) and B^T (R, out); for a q_proj leading k_proj and v_proj,
+        the three side by side (R = 3r) with a block-diagonal B (out = out_q + out_k + out_v). Cached until
+        the model is put in train/eval mode or loads weights."""
+        got = self.fused.get(k)
+        if got is None:
+            group = [self, *self.followers]
+            got = (torch.cat([m.A[k] for m in group]).t().contiguous(),
+                   torch.block_diag(*[m.B[k] for m in group]).t().contiguous())
+            self.fused[k] = got
+        return got
+
+    def _fused_base(self) -> torch.Tensor:
+        """q, k and v's frozen weights stacked (out_q + out_k + out_v, in): one matmul for all three."""
+        w = self.fused.get("w")
+        if w is None:
+            w = self.fused["w"] = torch.cat([m.base.weight for m in (self, *self.followers)]).contiguous()
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, L, in)
-        y = self.base(x)
-        if self.branch is None or self.gate is None:
+        route = self.route
+        if self.leader is not None:
+            shared = self.leader.shared
+            if shared is not None and shared[0] is x:  # the leader computed this projection with its own
+                return shared[1].pop(0)
+        fuse = bool(self.followers) and not torch.is_grad_enabled() and self.base.bias is None
+        if route.branch is not None and (route.uniform is None or (self.followers and not fuse)):
+            return self._mixed(x, self.base(x), route)  # rows on different branches, or training
+        if fuse:  # inference: q, k, v (and their deltas) in one go, k and v handed to the followers
+            y = torch.nn.functional.linear(x, self._fused_base())  # (B, L, out_q + out_k + out_v)
+        else:
+            y = self.base(x)
+        if route.branch is not None:
+            # every row on one branch (batch 1 always): two small matmuls on pre-transposed weights
+            k, g = route.uniform  # type: ignore[misc]
+            at, bt = self._fused_weights(k)
+            xa = x.reshape(-1, x.shape[-1]).mm(at)  # (B*L, R)
+            if isinstance(g, torch.Tensor):  # rows share the branch but not the gate
+                xa.mul_(g.to(xa.dtype).repeat_interleave(x.shape[1])[:, None])
+                g = 1.0
+            y.view(-1, y.shape[-1]).addmm_(xa, bt, alpha=self.scale * g)  # in place: y is our own output
+        if not fuse:
             return y
-        if self.branch.dim() == 1:  # one branch per row
-            a = self.A.index_select(0, self.branch)  # (B, r, in)
-            b = self.B.index_select(0, self.branch)  # (B, out, r)
+        sizes = [m.base.out_features for m in (self, *self.followers)]
+        parts = list(y.split(sizes, -1))
+        self.shared = (x, parts[1:])
+        return parts[0]
+
+    def _mixed(self, x: torch.Tensor, y: torch.Tensor, route: Route) -> torch.Tensor:
+        branch, gate = route.branch, route.gate
+        assert branch is not None and gate is not None
+        if branch.dim() == 1:  # one branch per row
+            a = self.A.index_select(0, branch)  # (B, r, in)
+            b = self.B.index_select(0, branch)  # (B, out, r)
             d = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))  # (B, L, out)
-            g = self.gate[:, None, None]
+            g = gate[:, None, None]
         else:  # one branch per token (reference path of the tests)
-            a, b = self.A[self.branch], self.B[self.branch]  # (B, L, r, in), (B, L, out, r)
+            a, b = self.A[branch], self.B[branch]  # (B, L, r, in), (B, L, out, r)
             d = torch.einsum("blor,blr->blo", b, torch.einsum("blri,bli->blr", a, x))
-            g = self.gate[..., None]
+            g = gate[..., None]
         return y + d * (self.scale * g).to(d.dtype)
 
 
@@ -248,11 +312,17 @@ class MoDrModel(nn.Module):
         nn.init.normal_(self.router.weight, std=0.02)
         self.register_buffer("router_bias", torch.zeros(cfg.branches))
         self.loras: list[BranchLoRA] = []
+        self.route_state = Route()
         for layer in self.core:
+            made = {}
             for t in cfg.targets:
-                lora = BranchLoRA(getattr(layer.self_attn, t), cfg.branches, cfg.rank, cfg.alpha)
+                lora = BranchLoRA(getattr(layer.self_attn, t), cfg.branches, cfg.rank, cfg.alpha, self.route_state)
                 setattr(layer.self_attn, t, lora)
                 self.loras.append(lora)
+                made[t] = lora
+            if all(t in made for t in ("q_proj", "k_proj", "v_proj")):
+                made["q_proj"].followers.extend([made["k_proj"], made["v_proj"]])
+                made["k_proj"].__dict__["leader"] = made["v_proj"].__dict__["leader"] = made["q_proj"]
         #: per-row controls for the next forward (set by the engine); None: every row uses cfg.recurrence
         self.controls: list[RowControl | None] | None = None
         self.reports: list[RowReport] = []
@@ -270,6 +340,8 @@ class MoDrModel(nn.Module):
         return {**{k: v.detach() for k, v in self.branch_parameters().items()}, "router.bias": self.router_bias}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for lora in self.loras:
+            lora.clear_fused()
         want = self.state_tensors()
         missing = sorted(set(want) - set(tensors))
         if missing:
@@ -282,8 +354,21 @@ class MoDrModel(nn.Module):
 
     # ---- pieces ----
     def _set_route(self, branch: torch.Tensor | None, gate: torch.Tensor | None) -> None:
-        for lora in self.loras:
-            lora.branch, lora.gate = branch, gate
+        route = self.route_state
+        route.branch, route.gate, route.uniform = branch, gate, None
+        if branch is None or gate is None or branch.dim() != 1 or torch.is_grad_enabled():
+            return  # the per-row / per-token path (training keeps the gate's gradient)
+        if branch.shape[0] == 1:
+            route.uniform = (int(branch[0]), float(gate[0]))
+        else:
+            first = int(branch[0])
+            if bool((branch == first).all()):
+                route.uniform = (first, gate)
+
+    def train(self, mode: bool = True) -> MoDrModel:
+        for lora in self.loras:  # the weights may change from here on: drop the fused inference copies
+            lora.clear_fused()
+        return super().train(mode)
 
     def route(self, h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: (B, L, h), valid: (B, L) -> branch (B,), gate (B,), r (B, N): one decision per row."""

@@ -181,7 +181,7 @@ def trained_like(model: MoDrModel) -> MoDrModel:
         for lora in model.loras:
             lora.B.copy_(torch.randn(lora.B.shape, generator=gen) * 0.3)
         model.router.weight.copy_(torch.randn(model.router.weight.shape, generator=gen))
-    return model
+    return model.eval()  # eval() drops cached fused copies of the branch weights
 
 
 def test_modr_one_recurrence_with_fresh_branches_is_the_base(base: Path, ids: torch.Tensor) -> None:
