@@ -12,7 +12,9 @@ concurrent requests httpx's connection pool took 65% of the gateway's CPU; aioht
 requests, see `chorus bench gateway`). ``api: completions`` sends the prompt as token ids to
 ``/v1/completions`` (exactly what the gateway rendered; vLLM and chorus accept ids),
 ``api: chat`` sends the messages to ``/v1/chat/completions`` (servers that only speak chat).
-Upstream errors map into chorus's error tree. It has no full logits (no token-level sessions).
+Upstream errors map into chorus's error tree. Token-level sessions (logit averaging): top-k logprobs
+over ``/v1/completions`` (any server; approximate), or with ``token_api: chorus`` a chorus worker's
+session API, which returns the exact logits (`WorkerSession`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from engines.base import STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
+from engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
 from engines.errors import (
     CapabilityMismatch,
     EngineFailed,
@@ -39,6 +41,7 @@ from engines.errors import (
     InvalidRequest,
     RateLimited,
 )
+from engines.session_wire import decode_next
 from engines.spec import ModelSpec, RemoteSpec
 from engines.vocab import Vocab, vocab_of
 
@@ -127,6 +130,58 @@ class RemoteSession:
         self.ids = []
 
 
+class WorkerSession:
+    """An exact token-level session on a chorus worker (``/chorus/v1/sessions``, server/sessions.py).
+
+    The prefill picks a replica (retrying others while they fail) and the session stays on it: its KV
+    cache lives there, so a failure after the prefill ends the session (``EngineFailed``). ``close()``
+    sends the DELETE in the background; a session the gateway never closes is freed by the worker's
+    idle timeout."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+        self.replica: Replica | None = None
+        self.id: str | None = None
+        self.length = 0
+
+    async def prefill(self, ids: Any) -> torch.Tensor:
+        engine = self.engine
+        body = {"model": engine.upstream_model, "prompt": list(ids)}
+        tried: set[str] = set()
+        while True:
+            replica = engine.pool.pick(tried)
+            tried.add(replica.url)
+            try:
+                data = await engine.call(replica, "POST", "/chorus/v1/sessions", body)
+                break
+            except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
+                engine.pool.failed(replica, f"{type(exc).__name__}: {exc}")
+        self.replica, self.id, self.length = replica, data["id"], len(body["prompt"])
+        replica.outstanding += 1  # an open session is work held on that replica
+        engine.sessions.add(self)
+        return decode_next(data["next"], engine.tokenizer.vocab_size)
+
+    async def step(self, token: int) -> torch.Tensor:
+        if self.replica is None or self.id is None:
+            raise InvalidRequest("prefill the session before stepping it")
+        try:
+            data = await self.engine.call(self.replica, "POST", f"/chorus/v1/sessions/{self.id}/step",
+                                          {"token": int(token)})
+        except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
+            self.engine.pool.failed(self.replica, f"{type(exc).__name__}: {exc}")
+            raise EngineFailed(f"{self.engine.name}: the worker holding the session failed: {exc}") from exc
+        self.length += 1
+        return decode_next(data["next"], self.engine.tokenizer.vocab_size)
+
+    def close(self) -> None:
+        if self.replica is None or self.id is None:
+            return
+        replica, sid, self.replica, self.id = self.replica, self.id, None, None
+        replica.outstanding -= 1
+        self.engine.sessions.discard(self)
+        self.engine.close_later(replica, sid)
+
+
 class RemoteEngine:
     capabilities = frozenset({TEXT, STREAM})
 
@@ -144,6 +199,10 @@ class RemoteEngine:
         self._health: asyncio.Task[None] | None = None
         if self.remote.api == "completions":
             self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS})
+        if self.remote.token_api == "chorus":  # a chorus worker's session API: exact next-token logits
+            self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS, LOGITS})
+        self.sessions: set[WorkerSession] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self._vocab: Vocab | None = None  # text -> token id, for remote top logprobs (built on first use)
 
     @classmethod
@@ -170,7 +229,26 @@ class RemoteEngine:
             headers={"Authorization": f"Bearer {key}"} if key else {}, raise_for_status=False)
         self._health = asyncio.create_task(self._health_loop())
 
+    def close_later(self, replica: Replica, sid: str) -> None:
+        """DELETE a worker session without making the caller wait (close() is synchronous)."""
+
+        async def delete() -> None:
+            try:
+                await self.call(replica, "DELETE", f"/chorus/v1/sessions/{sid}")
+            except Exception as exc:  # the worker's idle timeout frees it anyway
+                log.info("closing session %s on %s failed: %s", sid, replica.url, exc)
+
+        if self._client is None or self._client.closed:
+            return
+        task = asyncio.get_running_loop().create_task(delete())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def aclose(self) -> None:
+        for session in list(self.sessions):
+            session.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
@@ -205,10 +283,21 @@ class RemoteEngine:
 
     # ---- the Engine API ----
 
-    def open_session(self) -> RemoteSession:
+    def open_session(self) -> RemoteSession | WorkerSession:
         if TOPK_LOGITS not in self.capabilities:
             raise CapabilityMismatch(f"{self.name} is served over a chat API: no token-level sessions.")
+        if self.remote.token_api == "chorus":
+            return WorkerSession(self)
         return RemoteSession(self)
+
+    async def call(self, replica: Replica, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One call to one replica's root (the session API lives beside /v1); errors mapped, not retried."""
+        url = replica.url.removesuffix("/v1") + path
+        async with self.client.request(method, url, json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise _error_from(resp.status, text, replica.url)
+        return json.loads(text)
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
@@ -230,10 +319,10 @@ class RemoteEngine:
 
     @property
     def active_sessions(self) -> int:
-        return 0
+        return len(self.sessions)
 
     def stats(self) -> dict[str, int]:
-        return {"active_sessions": 0, **self.pool.stats()}
+        return {"active_sessions": self.active_sessions, **self.pool.stats()}
 
     def _request(self, req: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         p = req.params

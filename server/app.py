@@ -19,6 +19,7 @@ from server.gateway import Door, Gateway
 from server.limits import BodyLimit
 from server.metrics import watch_engines
 from server.routes import router
+from server.sessions import SessionStore, router as sessions_router
 
 log = logging.getLogger("chorus.server")
 
@@ -60,9 +61,11 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
         app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in config.ensembles}
         for ensemble in app.state.ensembles.values():
             await ensemble.strategy.warm()
+        app.state.sessions.start()
         try:
             yield
         finally:
+            await app.state.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
 
@@ -72,8 +75,10 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
     app.state.started = int(time.time())
     app.state.engines = {}
     app.state.ensembles = {}
+    app.state.sessions = SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open)
     errors.install(app)
     app.include_router(router)
+    app.include_router(sessions_router)
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
     app.state.keys = keys

@@ -44,6 +44,15 @@ class LogSection(BaseModel):
     prompts: bool = Field(default=False, description="log prompt text (off: only sizes)")
 
 
+class SessionsSection(BaseModel):
+    """Token-level sessions over HTTP (``/chorus/v1/sessions``, server/sessions.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    idle_timeout_s: float = Field(default=60.0, gt=0, description="a session idle this long is freed")
+    max_open: int = Field(default=256, ge=1, description="open sessions at most (429 beyond)")
+
+
 class ServerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -52,6 +61,7 @@ class ServerSection(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     log: LogSection = Field(default_factory=LogSection)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
+    sessions: SessionsSection = Field(default_factory=SessionsSection)
 
 
 class ApiKey(BaseModel):

@@ -67,7 +67,7 @@ class Gateway:
         principal: Principal | None = None
         admitted = False
         try:
-            if path.startswith("/v1/"):
+            if path.startswith(("/v1/", "/chorus/")):  # the OpenAI API and the session API
                 try:
                     principal = self.admit(headers, state)
                     admitted = True

@@ -20,7 +20,7 @@ import yaml
 from clients.local import free_port, wait_ready
 from server.app import create_app
 from server.config import ChorusConfig, load_config
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, wait_until
 from tests.integration.conftest import SMOL
 
 pytestmark = pytest.mark.integration
@@ -178,6 +178,33 @@ def test_logit_average_of_a_local_and_a_remote_member(workers: list[Worker], smo
         with pytest.raises(openai.BadRequestError, match="space 'logit' needs full logits"):
             c.chat.completions.create(model=SMOL, messages=Q, max_tokens=4, extra_body={
                 "ensemble": {"strategy": "logit_average", "members": [SMOL, "smol-remote"], "space": "logit"}})
+    finally:
+        gw.stop()
+
+
+def test_exact_logit_average_over_a_workers_session_api(workers: list[Worker]) -> None:
+    """token_api: chorus: the remote member steps a session on the worker and returns its full logits, so
+    averaging is exact (logit space allowed, no approximation note) and the worker frees every session."""
+    tok = str(load_config(None).model(SMOL).checkpoint_dir())
+    spec = load_config(None).model(SMOL).model_dump(exclude_none=True)
+    cfg = ChorusConfig.model_validate({"models": [spec, {
+        "name": "smol-exact", "engine": "remote", "max_model_len": 2048,
+        "remote": {"replicas": [workers[0].url], "model": SMOL, "tokenizer": tok, "token_api": "chorus"}}]})
+    gw = LiveServer(create_app(cfg)).start()
+    sessions = workers[0].url.removesuffix("/v1") + "/chorus/v1/sessions"
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        local = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0, logprobs=True)
+        for space in ("probability", "logit"):
+            ens = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0, logprobs=True,
+                                            extra_body={"ensemble": {"strategy": "logit_average", "trace": True,
+                                                                     "members": [SMOL, "smol-exact"], "space": space}})
+            assert ens.choices[0].message.content == local.choices[0].message.content
+            assert "note" not in ens.model_extra["ensemble"]
+            got = [t.logprob for t in ens.choices[0].logprobs.content]
+            want = [t.logprob for t in local.choices[0].logprobs.content]
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3  # the same model twice: the same distribution
+        assert wait_until(lambda: httpx.get(sessions).json()["open"] == 0, timeout=10)
     finally:
         gw.stop()
 

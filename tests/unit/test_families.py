@@ -301,3 +301,43 @@ def test_modr_checkpoint_round_trip_and_training_lowers_loss(base: Path, tmp_pat
     loaded = load_modr(tmp_path / "modr")
     assert loaded.cfg.core == (1, 4) and any(float(l.B.abs().sum()) > 0 for l in loaded.loras)
     assert float(loaded.router_bias.abs().sum()) > 0  # the balancing update moved the bias
+
+
+def _moe_config(kind: str) -> object:
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, intermediate_size=96)
+    mla = dict(num_key_value_heads=4, moe_intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2,
+               n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None,
+               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    return {
+        "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                               num_experts=4, num_experts_per_tok=2),
+        "olmoe": lambda: tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
+        "deepseek_v2": lambda: tf.DeepseekV2Config(**{**common, **mla}),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**{**common, **mla}),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+async def test_moe_classes_serve_through_the_batching_engine(kind: str) -> None:
+    """transformers' MoE classes (tiny random configs): cached decode in chorus's runner equals a full forward,
+    and every token is counted k times per layer in the expert load."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_moe_config(kind), attn_implementation="sdpa").eval()
+    load = ExpertLoad(model)
+    runner = BatchRunner(model, max_model_len=128, observer=load)
+    try:
+        (s,) = runner.open_many(1)
+        prompt, fed = [5, 6, 7, 8, 9], [10, 11, 12]
+        outs = [await runner.submit_prefill([s], prompt)] + [await s.step(t) for t in fed]
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + fed])).logits[0]
+        assert max(float((o - full[len(prompt) - 1 + i]).abs().max()) for i, o in enumerate(outs)) < 1e-4
+        assert (load.layers, load.experts) == (2, 4)
+        assert s.family.sum(1).tolist() == [2 * 8, 2 * 8]
+        s.close()
+    finally:
+        await runner.stop()

@@ -1,0 +1,204 @@
+"""Token-level sessions over HTTP (version 1): what a gateway needs to run logit averaging on a worker.
+
+A chorus worker exposes its engines' sessions so that a gateway elsewhere can average members token
+by token with their exact next-token logits (``remote.token_api: chorus`` on the gateway side)::
+
+    POST   /chorus/v1/sessions              {"model", "prompt": [ids], "top_k"?}  -> 200 session + next
+    POST   /chorus/v1/sessions/{id}/step    {"token": id, "top_k"?}               -> 200 session + next
+    DELETE /chorus/v1/sessions/{id}                                               -> 200 {"deleted": true}
+    GET    /chorus/v1/sessions                                                    -> 200 {"open": n, ...}
+
+``next`` holds the next-token distribution: without ``top_k`` the full logits as base64 little-endian
+float32 (``{"encoding": "base64-f32le", "size": V, "logits": "..."}``), with ``top_k`` the k best
+``{"ids": [...], "logprobs": [...]}``. Every response carries ``X-Chorus-Session-API: 1``. A session
+is one KV cache in the engine's batch (it batches with everything else); it is closed by DELETE, or
+freed once idle for ``server.sessions.idle_timeout_s``; at most ``server.sessions.max_open`` are open.
+Errors use the OpenAI envelope: an unknown or expired session is 404 ``session_not_found``, a step
+while the previous one is still running 409 ``session_busy``, too many sessions 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.base import LOGITS, Session
+from engines.session_wire import next_token
+from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, RateLimited
+from server.accounting import served_by
+
+log = logging.getLogger("chorus.sessions")
+API_VERSION = "1"
+router = APIRouter(prefix="/chorus/v1/sessions")
+
+
+class SessionNotFound(GatewayError):
+    status, type, code = 404, "invalid_request_error", "session_not_found"
+
+
+class SessionBusy(GatewayError):
+    status, type, code = 409, "invalid_request_error", "session_busy"
+
+
+class OpenBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    prompt: list[int] = Field(min_length=1)
+    top_k: int | None = Field(default=None, ge=1, le=1000, description="return the k best logprobs, not logits")
+
+
+class StepBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token: int = Field(ge=0)
+    top_k: int | None = Field(default=None, ge=1, le=1000)
+
+
+@dataclass
+class Held:
+    id: str
+    model: str
+    session: Session
+    vocab_size: int
+    length: int
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SessionStore:
+    """Open sessions by id; a reaper closes the ones idle past the timeout."""
+
+    def __init__(self, idle_timeout_s: float, max_open: int) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self.max_open = max_open
+        self.held: dict[str, Held] = {}
+        self.expired = 0
+        self._reaper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="chorus-session-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
+        for held in list(self.held.values()):
+            self.close(held.id)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
+            self.reap_now()
+
+    def reap_now(self) -> int:
+        now = time.monotonic()
+        idle = [h.id for h in self.held.values() if not h.lock.locked() and now - h.last_used > self.idle_timeout_s]
+        for sid in idle:
+            self.close(sid)
+            self.expired += 1
+        if idle:
+            log.info("freed %d idle session(s)", len(idle))
+        return len(idle)
+
+    def get(self, sid: str) -> Held:
+        held = self.held.get(sid)
+        if held is None:
+            raise SessionNotFound(f"No open session {sid!r}: it was closed, or freed after "
+                                  f"{self.idle_timeout_s:g} s idle.", param="id")
+        return held
+
+    def close(self, sid: str) -> bool:
+        held = self.held.pop(sid, None)
+        if held is not None:
+            held.session.close()
+        return held is not None
+
+
+def _store(request: Request) -> SessionStore:
+    return request.app.state.sessions
+
+
+def _body(held: Held, top_k: int | None, logits: torch.Tensor) -> dict[str, Any]:
+    return {"id": held.id, "object": "chorus.session", "model": held.model, "length": held.length,
+            "next": next_token(logits, top_k)}
+
+
+@router.get("")
+async def list_sessions(request: Request, response: Response) -> dict[str, Any]:
+    store = _store(request)
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    return {"object": "list", "open": len(store.held), "max_open": store.max_open,
+            "idle_timeout_s": store.idle_timeout_s, "expired": store.expired}
+
+
+@router.post("")
+async def open_session(body: OpenBody, request: Request, response: Response) -> dict[str, Any]:
+    from server.routes import resolve
+
+    store = _store(request)
+    engine = resolve(request, body.model)
+    served_by(request, body.model)
+    if LOGITS not in engine.capabilities:
+        raise CapabilityMismatch(f"{body.model} has no token-level logits to serve over sessions.", param="model")
+    vocab = engine.tokenizer.vocab_size
+    if any(t < 0 or t >= vocab for t in body.prompt):
+        raise InvalidRequest(f"prompt holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
+    if len(body.prompt) >= engine.max_model_len:
+        raise InvalidRequest(f"prompt of {len(body.prompt)} tokens leaves no room in the context window of "
+                             f"{engine.max_model_len}.", param="prompt", code="context_length_exceeded")
+    if len(store.held) >= store.max_open:
+        raise RateLimited(f"{store.max_open} sessions are open on this worker; close some or retry.", retry_after=1.0)
+    session = engine.open_session()
+    held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt))
+    store.held[held.id] = held
+    try:
+        async with held.lock:
+            logits = await session.prefill(body.prompt)
+    except BaseException:
+        store.close(held.id)
+        raise
+    held.last_used = time.monotonic()
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    return _body(held, body.top_k, logits)
+
+
+@router.post("/{sid}/step")
+async def step_session(sid: str, body: StepBody, request: Request, response: Response) -> dict[str, Any]:
+    store = _store(request)
+    held = store.get(sid)
+    served_by(request, held.model)
+    if held.lock.locked():
+        raise SessionBusy(f"session {sid} is still running its previous step.", param="id")
+    if body.token >= held.vocab_size:
+        raise InvalidRequest(f"token {body.token} is outside the vocabulary (0..{held.vocab_size - 1}).", param="token")
+    async with held.lock:
+        try:
+            logits = await held.session.step(body.token)
+        except BaseException:  # failed or cancelled (client gone): the cache may hold the token, so end it
+            store.close(sid)
+            raise
+    held.length += 1
+    held.last_used = time.monotonic()
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    return _body(held, body.top_k, logits)
+
+
+@router.delete("/{sid}")
+async def close_session(sid: str, request: Request, response: Response) -> dict[str, Any]:
+    store = _store(request)
+    held = store.get(sid)
+    served_by(request, held.model)
+    store.close(sid)
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    return {"id": sid, "object": "chorus.session", "deleted": True}

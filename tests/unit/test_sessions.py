@@ -1,0 +1,139 @@
+"""The session API (/chorus/v1/sessions) on fake engines, and a gateway's remote engine stepping it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from engines.fake import FakeEngine
+from engines.session_wire import decode_next, next_token
+from server.app import create_app
+from server.config import ChorusConfig
+from tests.conftest import LiveServer, wait_until
+
+
+def config(**sessions: object) -> ChorusConfig:
+    return ChorusConfig.model_validate({
+        "server": {"sessions": {"idle_timeout_s": 60, "max_open": 3, **sessions}},
+        "models": [{"name": "fake", "engine": "fake"}, {"name": "slow", "engine": "fake"}]})
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, FakeEngine]:
+    return {"fake": FakeEngine("fake", max_model_len=64), "slow": FakeEngine("slow", delay=0.3)}
+
+
+@pytest.fixture(scope="module")
+def worker(engines: dict[str, FakeEngine]) -> Iterator[LiveServer]:
+    srv = LiveServer(create_app(config(), engines=dict(engines))).start()
+    yield srv
+    srv.stop()
+
+
+S = "/chorus/v1/sessions"
+
+
+def api(worker: LiveServer) -> httpx.Client:
+    return httpx.Client(base_url=worker.url, timeout=30)
+
+
+def test_wire_format_round_trip() -> None:
+    logits = torch.randn(50)
+    assert torch.equal(decode_next(next_token(logits, None), 50), logits)
+    top = decode_next(next_token(logits, 3), 50)
+    assert torch.isfinite(top).sum() == 3 and int(top.argmax()) == int(logits.argmax())
+    with pytest.raises(ValueError, match="vocabulary of 49"):
+        decode_next(next_token(logits, None), 49)
+
+
+async def test_open_step_close_give_the_engines_logits(worker: LiveServer, engines: dict[str, FakeEngine]) -> None:
+    fake = engines["fake"]
+    ids = fake.tokenizer.encode("abc")
+    with api(worker) as c:
+        opened = c.post(S, json={"model": "fake", "prompt": ids})
+        assert opened.status_code == 200 and opened.headers["x-chorus-session-api"] == "1"
+        body = opened.json()
+        sid, vocab = body["id"], fake.tokenizer.vocab_size
+        assert body["object"] == "chorus.session" and body["length"] == len(ids)
+        ref = fake.open_session()
+        want = await ref.prefill(ids)
+        assert torch.equal(decode_next(body["next"], vocab), want)
+        tok = int(want.argmax())
+        stepped = c.post(f"{S}/{sid}/step", json={"token": tok, "top_k": 2}).json()
+        want = await ref.step(tok)
+        ref.close()
+        assert stepped["length"] == len(ids) + 1 and stepped["next"]["ids"][0] == int(want.argmax())
+        assert c.get(S).json()["open"] == 1
+        assert c.delete(f"{S}/{sid}").json()["deleted"] is True
+        assert c.get(S).json()["open"] == 0
+        gone = c.post(f"{S}/{sid}/step", json={"token": 1})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+    assert wait_until(lambda: fake.active_sessions == 0)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": [1]}, 404, "model"),
+    ({"model": "fake", "prompt": []}, 400, "prompt"),
+    ({"model": "fake", "prompt": [10**6]}, 400, "prompt"),
+    ({"model": "fake", "prompt": [1] * 64}, 400, "prompt"),
+    ({"model": "fake", "prompt": [1], "top_k": 0}, 400, "top_k"),
+    ({"model": "fake", "prompt": [1], "colour": "red"}, 400, "colour"),
+])
+def test_bad_opens(worker: LiveServer, body: dict, status: int, param: str) -> None:
+    with api(worker) as c:
+        r = c.post(S, json=body)
+    assert r.status_code == status, r.text
+    assert param in (r.json()["error"]["param"] or "")
+
+
+def test_bad_token_busy_session_and_session_cap(worker: LiveServer, engines: dict[str, FakeEngine]) -> None:
+    with api(worker) as c:
+        sid = c.post(S, json={"model": "slow", "prompt": [1, 2]}).json()["id"]
+        assert c.post(f"{S}/{sid}/step", json={"token": 10**6}).json()["error"]["param"] == "token"
+
+        async def two_steps() -> list[int]:
+            async with httpx.AsyncClient(base_url=worker.url, timeout=30) as ac:
+                first = asyncio.create_task(ac.post(f"{S}/{sid}/step", json={"token": 3}))
+                await asyncio.sleep(0.1)
+                second = await ac.post(f"{S}/{sid}/step", json={"token": 3})
+                return [(await first).status_code, second.status_code]
+
+        assert asyncio.run(two_steps()) == [200, 409]
+        more = [c.post(S, json={"model": "fake", "prompt": [1]}) for _ in range(3)]
+        assert [r.status_code for r in more] == [200, 200, 429]
+        assert more[2].headers["retry-after"]
+        for r in [*more[:2]]:
+            c.delete(f"{S}/{r.json()['id']}")
+        c.delete(f"{S}/{sid}")
+    assert wait_until(lambda: engines["slow"].active_sessions == 0 and engines["fake"].active_sessions == 0)
+
+
+def test_idle_sessions_are_freed() -> None:
+    fake = FakeEngine("fake")
+    srv = LiveServer(create_app(config(idle_timeout_s=0.4), engines={"fake": fake, "slow": FakeEngine("slow")})).start()
+    try:
+        with api(srv) as c:
+            sid = c.post(S, json={"model": "fake", "prompt": [1, 2, 3]}).json()["id"]
+            assert fake.active_sessions == 1
+            assert wait_until(lambda: fake.active_sessions == 0, timeout=5)
+            assert c.get(S).json()["expired"] == 1
+            assert c.post(f"{S}/{sid}/step", json={"token": 1}).status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_session_api_needs_a_key_when_keys_are_set() -> None:
+    cfg = config()
+    srv = LiveServer(create_app(cfg, engines={"fake": FakeEngine("fake"), "slow": FakeEngine("slow")},
+                                api_keys="gw:secret-key-123")).start()
+    try:
+        with api(srv) as c:
+            assert c.post(S, json={"model": "fake", "prompt": [1]}).status_code == 401
+            ok = c.post(S, json={"model": "fake", "prompt": [1]}, headers={"Authorization": "Bearer secret-key-123"})
+            assert ok.status_code == 200
+    finally:
+        srv.stop()
