@@ -35,6 +35,23 @@ class HFTokenizer:
         eos = {i for i in [tok.eos_token_id, *extra_eos_ids] if i is not None}
         self.eos_token_ids = frozenset(eos)
         self._fingerprint: str | None = None
+        self._template = self._compiled_template()
+
+    def _compiled_template(self) -> Any:
+        """The chat template compiled once, rendered with what ``apply_chat_template`` passes (the special
+        tokens, ``add_generation_prompt``); HF's own call does more bookkeeping per request (~half of the
+        render time, measured). None: use ``apply_chat_template`` (no template, or transformers moved it)."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # pragma: no cover - transformers reorganised
+            return None
+        template = FALLBACK_CHAT_TEMPLATE if self.uses_fallback_template else self.hf.chat_template
+        if not isinstance(template, str):
+            return None  # several named templates: let transformers pick
+        compiled = _compile_jinja_template(template)
+        extra = dict(self.hf.special_tokens_map)
+        return lambda msgs: compiled.render(messages=msgs, tools=None, documents=None, add_generation_prompt=True,
+                                            **extra)
 
     @property
     def vocab_size(self) -> int:
@@ -71,10 +88,21 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         msgs = [{"role": m["role"], "content": message_text(m.get("content"))} for m in messages]
+        if self._template is not None:
+            return self._template(msgs)
+        return self.render_chat_hf(msgs)
+
+    def render_chat_hf(self, msgs: list[dict[str, Any]]) -> str:
+        """transformers' own rendering (the reference the fast path is tested against)."""
         template = FALLBACK_CHAT_TEMPLATE if self.uses_fallback_template else None
         return self.hf.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Rendered chat to ids. A model's own template writes its special tokens itself; the fallback
-        template is plain text, so the tokenizer adds its usual BOS."""
-        return list(self.hf.encode(self.render_chat(messages), add_special_tokens=self.uses_fallback_template))
+        template is plain text, so the tokenizer adds its usual BOS. Fast tokenizers are called on their
+        Rust backend directly (the same ids, without the Python ``encode`` wrapper: ~40% of the cost)."""
+        text = self.render_chat(messages)
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=self.uses_fallback_template).ids
+        return list(self.hf.encode(text, add_special_tokens=self.uses_fallback_template))

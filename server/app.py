@@ -16,6 +16,7 @@ from server import errors
 from server.auth import KeyStore
 from server.config import ChorusConfig, Settings
 from server.gateway import Door, Gateway
+from server.fastpath import FastPath
 from server.limits import BodyLimit
 from server.metrics import watch_engines
 from server.routes import router
@@ -69,7 +70,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
             for engine in loaded.values():
                 await engine.aclose()
 
-    app = FastAPI(title="chorus", version=__version__, lifespan=lifespan,
+    otel = None if config.server.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="chorus", version=__version__, lifespan=lifespan, telemetry=otel,
                   description="OpenAI-compatible gateway with ensemble and routing backends")
     app.state.config = config
     app.state.started = int(time.time())
@@ -79,6 +81,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
     errors.install(app)
     app.include_router(router)
     app.include_router(sessions_router)
+    app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
     app.state.keys = keys

@@ -62,6 +62,9 @@ class ServerSection(BaseModel):
     log: LogSection = Field(default_factory=LogSection)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     sessions: SessionsSection = Field(default_factory=SessionsSection)
+    #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
+    #: default: chorus exports Prometheus metrics itself, and the per-request check costs ~2% of a request.
+    opentelemetry: bool = False
 
 
 class ApiKey(BaseModel):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,19 @@ def validation_param(loc: tuple[object, ...]) -> str | None:
     return out or None
 
 
+def validation_envelope(errors: Sequence[Any]) -> JSONResponse:
+    """pydantic's errors for a request body -> 400 naming the first bad field (``messages[0].role``)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return envelope(400, "We could not parse the JSON body of your request: it is not valid JSON.",
+                        "invalid_request_error", None, "invalid_json")
+    param = validation_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid request")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    text = f"Invalid value for '{param}': {msg}{more}" if param else f"Invalid request: {msg}{more}"
+    return envelope(400, text, "invalid_request_error", param, "invalid_value")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
@@ -50,16 +65,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return envelope(400, "We could not parse the JSON body of your request: it is not valid JSON.",
-                            "invalid_request_error", None, "invalid_json")
-        param = validation_param(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid request")
-        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-        text = f"Invalid value for '{param}': {msg}{more}" if param else f"Invalid request: {msg}{more}"
-        return envelope(400, text, "invalid_request_error", param, "invalid_value")
+        return validation_envelope(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic_core import to_json
 
 from engines.base import Engine
 from engines.errors import InvalidRequest, ModelNotFound
@@ -56,6 +57,12 @@ def apply_limits(request: Request, req: P._Sampling) -> None:
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if limits.max_tokens is not None and max_tokens is not None and max_tokens > limits.max_tokens:
         raise InvalidRequest(f"'max_tokens' must be at most {limits.max_tokens} on this server.", param="max_tokens")
+
+
+def json_response(body: dict[str, Any]) -> Response:
+    """A finished response body as JSON bytes (pydantic-core's encoder): skips FastAPI's jsonable_encoder
+    walk and the stdlib json.dumps, a measurable share of a non-streamed request (chorus bench gateway)."""
+    return Response(to_json(body), media_type="application/json")
 
 
 def fingerprint(engine: Engine) -> str:
@@ -108,7 +115,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
         gen = await until_disconnect(request, engine.generate(gen_req))
         body = {**P.chat_response(head, gen), **(trailer() if trailer else {})}
         settle(request, req.model, body["usage"])
-        return body
+        return json_response(body)
     deltas = await until_disconnect(request, first_and_rest(engine.stream(gen_req)))
     first_token(request, req.model)
     return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion),
@@ -147,7 +154,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response | 
                                      sum(g.completion_tokens for g in gens))
         body.update(trailer() if trailer else {})
         settle(request, req.model, body["usage"])
-        return body
+        return json_response(body)
     opened = await until_disconnect(request, asyncio.gather(
         *(first_and_rest(engine.stream(g)) for g in gen_reqs), return_exceptions=True))
     streams = [s for s in opened if not isinstance(s, BaseException)]

@@ -37,3 +37,30 @@ def test_local_checkpoint_and_gguf(default_config: ChorusConfig, tmp_path: Path,
         assert answers[0] == answers[1] and "Paris" in answers[0]
     finally:
         srv.stop()
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]}],
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": "Ünïcode ✓ <|im_end|> {{ not a template }}\n\n  spaces  "}],
+]
+
+
+@pytest.mark.parametrize("model", [SMOL, "gemma-3-270m"])
+def test_fast_chat_encoding_equals_transformers(default_config: ChorusConfig, model: str) -> None:
+    """The gateway renders with the compiled template and encodes on the Rust backend: same text, same ids
+    as transformers' apply_chat_template + encode (SmolLM2's own template, Gemma's fallback)."""
+    from transformers import AutoTokenizer
+
+    from engines.hf_tokenizer import HFTokenizer, message_text
+
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(default_config.model(model).checkpoint_dir()))
+    assert tok._template is not None
+    for chat in CHATS:
+        msgs = [{"role": m["role"], "content": message_text(m["content"])} for m in chat]
+        want_text = tok.render_chat_hf(msgs)
+        assert tok.render_chat(chat) == want_text
+        assert tok.encode_chat(chat) == list(tok.hf.encode(want_text, add_special_tokens=tok.uses_fallback_template))
