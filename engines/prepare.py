@@ -153,16 +153,6 @@ def _build(family: str, base_dir: Path, out: Path, options: dict, log: Callable[
 
         graft(base_dir, out, GraftConfig(**options), force=True, log=log)
     else:
-        from engines.families.modr import MoDrConfig, build_retrofit
+        from engines.families.modr import build_retrofit
 
-        opts = dict(options)
-        ranges = {k: tuple(opts.pop(k)) for k in ("prelude", "core", "coda") if k in opts}
-        cfg = None
-        if ranges:
-            if len(ranges) != 3:
-                from engines.families.checkpoint import BuildError
-
-                raise BuildError("give all three of prelude, core and coda (or none for the default split)")
-            cfg = MoDrConfig(**ranges, **opts)
-            opts = {}
-        build_retrofit(base_dir, out, cfg, force=True, log=log, **opts)
+        build_retrofit(base_dir, out, options, force=True, log=log)

@@ -49,10 +49,7 @@ def cmd_train_modr(args: argparse.Namespace) -> int:
     from engines.families.modr_train import TrainConfig, train_modr
 
     modr: dict[str, Any] = {"branches": args.branches, "rank": args.rank, "alpha": args.alpha}
-    ranges = {k: getattr(args, k) for k in ("prelude", "core", "coda") if getattr(args, k) is not None}
-    if ranges and len(ranges) != 3:
-        return _fail(BuildError("give all three of --prelude, --core and --coda (or none for the default split)"))
-    modr.update(ranges)
+    modr.update({k: getattr(args, k) for k in ("prelude", "core", "coda") if getattr(args, k) is not None})
     if args.max_recurrence is not None:
         modr["max_recurrence"] = args.max_recurrence
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,

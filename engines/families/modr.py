@@ -81,6 +81,19 @@ class MoDrConfig:
         p = max(1, n_layers // 5)
         return cls(prelude=(0, p), core=(p, n_layers - p), coda=(n_layers - p, n_layers), **kw)
 
+    @classmethod
+    def from_options(cls, n_layers: int, options: dict[str, Any]) -> MoDrConfig:
+        """Settings as a config's ``derive.options`` or the CLI give them: the three layer ranges together,
+        or none (then the default split of `retrofit`)."""
+        opts = dict(options)
+        ranges = {k: tuple(opts.pop(k)) for k in ("prelude", "core", "coda") if k in opts}
+        if ranges and len(ranges) != 3:
+            raise BuildError("give all three of prelude, core and coda (or none for the default split)")
+        unknown = sorted(set(opts) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise BuildError(f"unknown MoDr settings {unknown}; known: {', '.join(cls.__dataclass_fields__)}")
+        return cls(**ranges, **opts) if ranges else cls.retrofit(n_layers, **opts)
+
     def check(self, n_layers: int) -> None:
         ranges = {"prelude": self.prelude, "core": self.core, "coda": self.coda}
         for name, (a, b) in ranges.items():
@@ -248,22 +261,15 @@ class _Slots:
         return self.n_pre + self.n_coda + step_slot * self.n_core + i
 
     def steps_held(self) -> int:
-        return max(0, (len(self.cache.layers) - self.n_pre - self.n_coda) // self.n_core)
+        return step_slots(self.cache.layers, self.n_pre + self.n_coda, self.n_core)
 
     def ensure_steps(self, n: int) -> None:
         from engines.batching import GrowingLayer
 
-        have = self.steps_held()
         layers = self.cache.layers
         while len(layers) < self.n_pre + self.n_coda:
             layers.append(GrowingLayer())
-        for step in range(have, n):
-            for i in range(self.n_core):
-                src = layers[self.core_slot(step - 1, i)] if step > 0 else None
-                if src is not None and src.is_initialized:
-                    layers.append(GrowingLayer(src.keys, src.values))  # latest step's K/V for past tokens
-                else:
-                    layers.append(GrowingLayer())
+        grow_steps(layers, self.n_pre + self.n_coda, self.n_core, n)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[idx]
@@ -451,9 +457,8 @@ class MoDrModel(nn.Module):
                     y = self._run(self.core, h, core_slots, slots, attention_mask, position_ids, rope)
                 finally:
                     self._set_route(None, None)
-                go = (active & (rec > t))[:, None, None]  # (B, 1, 1)
-                s = torch.where(go, y, s)
-            running = active & (rec > t)
+                running = active & (rec > t)  # (B,)
+                s = torch.where(running[:, None, None], y, s)
             used += running.long()
             branch_log.append(torch.where(running, branch if branch.dim() == 1 else branch[:, -1], -1))
             active = running
@@ -520,24 +525,28 @@ class MoDrModel(nn.Module):
     # ---- batching support ----
     def match_cache_layers(self, a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
         """Two caches with different numbers of step slots: extend the shorter with its latest step."""
-        from engines.batching import GrowingLayer
-
-        fixed = len(self.prelude) + len(self.coda)
-        core = len(self.core)
-
-        def grow(layers: list[Any], steps: int) -> list[Any]:
-            layers = list(layers)
-            while (len(layers) - fixed) // core < steps:
-                last = layers[len(layers) - core: len(layers)]
-                layers.extend(GrowingLayer(x.keys, x.values) for x in last)
-            return layers
-
-        steps = max((len(a) - fixed) // core, (len(b) - fixed) // core)
-        return grow(a, steps), grow(b, steps)
+        fixed, core = len(self.prelude) + len(self.coda), len(self.core)
+        steps = max(step_slots(a, fixed, core), step_slots(b, fixed, core))
+        a, b = list(a), list(b)
+        return grow_steps(a, fixed, core, steps), grow_steps(b, fixed, core, steps)
 
 
-def retrofit(base: nn.Module, cfg: MoDrConfig) -> MoDrModel:
-    return MoDrModel(base, cfg)
+def step_slots(layers: list[Any], fixed: int, core: int) -> int:
+    """Recurrence-step slots held by a MoDr cache: prelude and coda layers first, then ``core`` per step."""
+    return max(0, (len(layers) - fixed) // core)
+
+
+def grow_steps(layers: list[Any], fixed: int, core: int, steps: int) -> list[Any]:
+    """Append step slots up to ``steps``; a new slot starts as a copy of the latest step's K/V (Huginn's
+    "latest" lookup for tokens that never ran it), or empty when there is none yet."""
+    from engines.batching import GrowingLayer
+
+    for step in range(step_slots(layers, fixed, core), steps):
+        for i in range(core):
+            src = layers[fixed + (step - 1) * core + i] if step > 0 else None
+            layers.append(GrowingLayer(src.keys, src.values) if src is not None and src.is_initialized
+                          else GrowingLayer())
+    return layers
 
 
 def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -597,14 +606,15 @@ def load_modr(path: Path | str, dtype: torch.dtype = torch.float32, **overrides:
     return model.to(dtype).eval()
 
 
-def build_retrofit(base_dir: Path | str, out: Path | str, cfg: MoDrConfig | None = None, *, force: bool = False,
-                   seed: int = 0, log: Any = print, **kw: Any) -> Path:
-    """A fresh MoDr checkpoint retrofitted from a Llama-architecture base (branches untrained)."""
+def build_retrofit(base_dir: Path | str, out: Path | str, options: dict[str, Any] | None = None, *,
+                   force: bool = False, seed: int = 0, log: Any = print) -> Path:
+    """A fresh MoDr checkpoint retrofitted from a Llama-architecture base (branches untrained); ``options``
+    as `MoDrConfig.from_options` takes them."""
     base_dir = Path(base_dir).expanduser().resolve()
     out = check_new_dir(out, force)
     config = read_config(base_dir)
     check_llama(config, base_dir, "MoDr retrofit")
-    cfg = cfg or MoDrConfig.retrofit(int(config["num_hidden_layers"]), **kw)
+    cfg = MoDrConfig.from_options(int(config["num_hidden_layers"]), options or {})
     cfg.base = str(base_dir)
     cfg.check(int(config["num_hidden_layers"]))
     t0 = time.perf_counter()
@@ -645,6 +655,9 @@ class RoutingObserver:
         self.branch_totals = [0] * model.cfg.branches
         self.steps_total = 0
         self.tokens_total = 0
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        check_options(options, self.model.cfg)
 
     def control(self, options: dict[str, Any]) -> RowControl:
         ex = options.get("exit") or {}

@@ -118,7 +118,7 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
         tok_dir = Path(model.cfg.base)
     else:
         config = read_config(base)
-        cfg = MoDrConfig(**modr) if modr and "core" in modr else MoDrConfig.retrofit(int(config.get("num_hidden_layers", 0)), **(modr or {}))
+        cfg = MoDrConfig.from_options(int(config.get("num_hidden_layers", 0)), modr or {})
         cfg.base = str(base)
         torch.manual_seed(tc.seed)
         model = MoDrModel(load_base_model(base), cfg)
