@@ -337,12 +337,8 @@ class BatchRunner:
             served: list[BatchedSession | None] = [None] * b
             for r, _ in decode:
                 served[r] = self.rows[r]
-            if self.observer is not None:
-                self.observer.before(served)
-            res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                             **{self._cache_kw: self.cache})
-            if self.observer is not None:
-                self.observer.after(served, [int(s is not None) for s in served], 1)
+            res = self._observed(served, [int(s is not None) for s in served], 1, input_ids=ids, attention_mask=attn,
+                                 position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
             self.mask = mask
             logits = res.logits[:, -1, :].float()  # (B, V)
             out = list(logits.index_select(0, rows).cpu().unbind(0))
@@ -352,17 +348,23 @@ class BatchRunner:
             self._prefill_group([job for job, _ in jobs])
         return out
 
+    def _observed(self, rows: list[BatchedSession | None], lens: list[int], width: int, **inputs: Any) -> Any:
+        """One model forward; the model family's observer, if any, sees the rows before and after it
+        (the first session of a prefill stands for its n choices)."""
+        if self.observer is None:
+            return self.model(**inputs)
+        self.observer.before(rows)
+        res = self.model(**inputs)
+        self.observer.after(rows, lens, width)
+        return res
+
     def _prefill_chunk(self, job: _Prefill, n: int) -> None:
         p = job.done
         ids = torch.tensor([job.ids[p : p + n]], device=self.device)  # (1, L)
         pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
         attn = self._attention_mask(pos, torch.arange(p + n, device=self.device).unsqueeze(0))
-        if self.observer is not None:
-            self.observer.before([job.sessions[0]])
-        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: job.cache})
-        if self.observer is not None:
-            self.observer.after([job.sessions[0]], [n], n)
+        res = self._observed([job.sessions[0]], [n], n, input_ids=ids, attention_mask=attn, position_ids=pos,
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: job.cache})
         job.done += n
         if job.done == len(job.ids):
             job.logits = res.logits[0, -1, :].float().cpu()
@@ -379,13 +381,9 @@ class BatchRunner:
         attn = self._attention_mask(pos, pos, ar.view(1, t) < lens.view(j, 1))  # right padding is not a key
         last = sorted({int(n) - 1 for n in lens})
         cache = GrowingCache()
-        served: list[BatchedSession | None] = [job.sessions[0] for job in jobs]
-        if self.observer is not None:
-            self.observer.before(served)
-        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=torch.tensor(last, device=self.device), **{self._cache_kw: cache})
-        if self.observer is not None:
-            self.observer.after(served, [len(job.ids) for job in jobs], t)
+        res = self._observed([job.sessions[0] for job in jobs], [len(job.ids) for job in jobs], t, input_ids=ids,
+                             attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=torch.tensor(last, device=self.device), **{self._cache_kw: cache})
         for row, job in enumerate(jobs):
             n = len(job.ids)
             job.logits = res.logits[row, last.index(n - 1), :].float().cpu()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -46,20 +45,12 @@ class TransformersEngine(SessionEngine):
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
 
-    @property
-    def family(self) -> str:
-        from engines.families.modr import MoDrModel
-
-        if isinstance(self.model, MoDrModel):
-            return "modr"
-        return "moe" if self.observer is not None else "dense"
-
     def check_options(self, options: dict[str, Any]) -> None:
-        if self.family != "modr":
+        """A family that takes request options (MoDr) checks them itself; other models take none."""
+        check = getattr(self.observer, "check_options", None)
+        if check is None:
             return super().check_options(options)
-        from engines.families.modr import check_options
-
-        check_options(options, self.model.cfg)
+        check(options)
 
     def family_trace(self, sessions: list[Any]) -> dict[str, Any]:
         return self.observer.trace(sessions) if self.observer is not None else {}
@@ -83,15 +74,15 @@ class TransformersEngine(SessionEngine):
         from engines.families.modr import is_modr_dir, load_modr
 
         t0 = time.perf_counter()
-        modr = is_modr_dir(path)
-        # a MoDr checkpoint's tokenizer is its base's (its config.json is not a transformers config)
-        hf_tok = AutoTokenizer.from_pretrained(json.loads((path / "config.json").read_text())["base"] if modr else path)
-        if spec.chat_template:
-            hf_tok.chat_template = spec.chat_template
-        if modr:
+        if is_modr_dir(path):
             model = load_modr(path, DTYPES[spec.dtype], **spec.modr)
+            tok_dir = model.cfg.base  # its base's tokenizer (the MoDr config.json is not a transformers config)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
+            tok_dir = path
+        hf_tok = AutoTokenizer.from_pretrained(tok_dir)
+        if spec.chat_template:
+            hf_tok.chat_template = spec.chat_template
         model.to(spec.device).eval()
         gen_cfg = getattr(getattr(model, "base", model), "generation_config", None)
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
