@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,11 @@ class RemoteSession:
         self.ids = []
 
 
+def sessions_url(replica: Replica) -> str:
+    """A chorus worker's session API sits at its root, beside ``/v1``."""
+    return replica.url.removesuffix("/v1") + "/chorus/v1/sessions"
+
+
 class WorkerSession:
     """An exact token-level session on a chorus worker (``/chorus/v1/sessions``, server/sessions.py).
 
@@ -147,15 +152,7 @@ class WorkerSession:
     async def prefill(self, ids: Any) -> torch.Tensor:
         engine = self.engine
         body = {"model": engine.upstream_model, "prompt": list(ids)}
-        tried: set[str] = set()
-        while True:
-            replica = engine.pool.pick(tried)
-            tried.add(replica.url)
-            try:
-                data = await engine.call(replica, "POST", "/chorus/v1/sessions", body)
-                break
-            except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
-                engine.pool.failed(replica, f"{type(exc).__name__}: {exc}")
+        replica, data = await engine.post_any(sessions_url, body)
         self.replica, self.id, self.length = replica, data["id"], len(body["prompt"])
         replica.outstanding += 1  # an open session is work held on that replica
         engine.sessions.add(self)
@@ -165,7 +162,7 @@ class WorkerSession:
         if self.replica is None or self.id is None:
             raise InvalidRequest("prefill the session before stepping it")
         try:
-            data = await self.engine.call(self.replica, "POST", f"/chorus/v1/sessions/{self.id}/step",
+            data = await self.engine.call(self.replica, "POST", f"{sessions_url(self.replica)}/{self.id}/step",
                                           {"token": int(token)})
         except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
             self.engine.pool.failed(self.replica, f"{type(exc).__name__}: {exc}")
@@ -234,7 +231,7 @@ class RemoteEngine:
 
         async def delete() -> None:
             try:
-                await self.call(replica, "DELETE", f"/chorus/v1/sessions/{sid}")
+                await self.call(replica, "DELETE", f"{sessions_url(replica)}/{sid}")
             except Exception as exc:  # the worker's idle timeout frees it anyway
                 log.info("closing session %s on %s failed: %s", sid, replica.url, exc)
 
@@ -290,9 +287,8 @@ class RemoteEngine:
             return WorkerSession(self)
         return RemoteSession(self)
 
-    async def call(self, replica: Replica, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One call to one replica's root (the session API lives beside /v1); errors mapped, not retried."""
-        url = replica.url.removesuffix("/v1") + path
+    async def call(self, replica: Replica, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One JSON call to one replica; errors mapped into chorus's tree, not retried."""
         async with self.client.request(method, url, json=body) as resp:
             text = await resp.text()
             if resp.status != 200:
@@ -357,19 +353,21 @@ class RemoteEngine:
         return self._generation(await self._post(path, body), len(request.prompt_ids))
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One non-streamed call, retried on the next replica while replicas fail."""
+        """One non-streamed call under the replicas' base URL (``/completions``, ...)."""
+        return (await self.post_any(lambda r: r.url + path, body))[1]
+
+    async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any]) -> tuple[Replica, dict[str, Any]]:
+        """POST to the least-busy healthy replica, retried on the next one while replicas fail; returns the
+        replica that answered and its JSON."""
         tried: set[str] = set()
         while True:
             replica = self.pool.pick(tried)
             tried.add(replica.url)
             replica.outstanding += 1
             try:
-                async with self.client.post(replica.url + path, json=body) as resp:
-                    text = await resp.text()
-                    if resp.status != 200:
-                        raise _error_from(resp.status, text, replica.url)
+                data = await self.call(replica, "POST", url_of(replica), body)
                 replica.served += 1
-                return json.loads(text)
+                return replica, data
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
             finally:

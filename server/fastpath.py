@@ -22,19 +22,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engines.errors import GatewayError
 from server import protocol as P
 from server.errors import envelope, retry_headers, validation_envelope
-from server.routes import json_response
+from server.routes import chat_completions, completions, json_response
 
 log = logging.getLogger("chorus.errors")
 
 
 class FastPath:
     def __init__(self, app: ASGIApp) -> None:
-        from server import routes
-
         self.app = app
         self.routes: dict[str, tuple[type[P._Sampling], Callable[..., Awaitable[Any]]]] = {
-            "/v1/chat/completions": (P.ChatCompletionRequest, routes.chat_completions),
-            "/v1/completions": (P.CompletionRequest, routes.completions),
+            "/v1/chat/completions": (P.ChatCompletionRequest, chat_completions),
+            "/v1/completions": (P.CompletionRequest, completions),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -34,6 +34,7 @@ from engines.base import LOGITS, Session
 from engines.session_wire import next_token
 from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, RateLimited
 from server.accounting import served_by
+from server.routes import resolve
 
 log = logging.getLogger("chorus.sessions")
 API_VERSION = "1"
@@ -144,8 +145,6 @@ async def list_sessions(request: Request, response: Response) -> dict[str, Any]:
 
 @router.post("")
 async def open_session(body: OpenBody, request: Request, response: Response) -> dict[str, Any]:
-    from server.routes import resolve
-
     store = _store(request)
     engine = resolve(request, body.model)
     served_by(request, body.model)
