@@ -17,6 +17,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/chorus
 COPY pyproject.toml README.md ./
+# one folder per layer; `pip install .` puts them all under the one import package `chorus`
+COPY chorus ./chorus
+COPY cli ./cli
+COPY bench ./bench
 COPY server ./server
 COPY engines ./engines
 COPY ensembles ./ensembles

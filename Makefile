@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models serve test unit bench clean
+.PHONY: install models serve test unit check wheel-smoke bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ test: models
 
 unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# ruff, the import-linter layer contracts and mypy (scripts/check); CI runs it after `make test`
+check: install
+	BIN=$(abspath $(BIN)) bash scripts/check
+
+# the built wheel in a fresh venv: imports and serves (scripts/wheel-smoke); CI runs it too
+wheel-smoke:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" bash scripts/wheel-smoke
 
 bench: models
 	$(BIN)/chorus bench engine

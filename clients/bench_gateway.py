@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clients.local import free_port, markdown_table, wait_ready
+from chorus.clients.local import free_port, markdown_table, wait_ready
 
 COMPLETION = json.dumps({
     "id": "cmpl-mock", "object": "chat.completion", "created": 0, "model": "mock",
@@ -103,17 +103,15 @@ def wrk(url: str, body: dict[str, object], connections: int, seconds: int, tmp: 
 
 
 def main(args: argparse.Namespace) -> int:
-    from server.config import load_config
-
     if shutil.which("wrk") is None:
         sys.exit("chorus bench gateway: needs wrk (apt-get install wrk)")
-    tok = str(load_config(None).model("smollm2-135m-instruct").checkpoint_dir())
+    tok = args.tokenizer
     up_port, gw_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         env = {**os.environ, "CHORUS_API_KEYS": "bench:bench"}
-        procs.append(subprocess.Popen([sys.executable, "-c", f"from clients.bench_gateway import mock_upstream; "
+        procs.append(subprocess.Popen([sys.executable, "-c", f"from chorus.clients.bench_gateway import mock_upstream; "
                                                              f"mock_upstream({up_port})"], env=env))
         upstream = f"http://127.0.0.1:{up_port}"
         wait_ready(upstream + "/v1/models", procs[-1])
@@ -122,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
             "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level}},
             "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
                         "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port",
+        procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
                                        str(gw_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         targets = {"direct to the mock upstream": upstream, "through chorus (1 process)": f"http://127.0.0.1:{gw_port}"}
         wait_ready(targets["through chorus (1 process)"] + "/health", procs[-1])
@@ -173,7 +171,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_tokenizer() -> str:
+    """The prepared SmolLM2 (``chorus models prepare``): the mock model's tokenizer."""
+    home = Path(os.environ.get("CHORUS_HOME") or Path.home() / ".cache" / "chorus")
+    return str(home / "models" / "smollm2-135m-instruct")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=default_tokenizer(),
+                   help="tokenizer directory for the gateway's mock model (default: the prepared SmolLM2)")
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="runs per cell, interleaved; the best is reported")
     p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")

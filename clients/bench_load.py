@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.local import free_port, wait_ready
+from chorus.clients.local import free_port, wait_ready
 
 FAKE_CONFIG = """
 server: {limits: {max_concurrent_requests: 512}, log: {level: warning}}
@@ -87,14 +87,15 @@ async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: ra
 async def _run(args: argparse.Namespace) -> str:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        cmd = [sys.executable, "-m", "chorus", "serve", "--port", str(port), "--log-level", "warning"]
         if args.model == "fake":
             cfg = Path(tmp) / "fake.yaml"
             cfg.write_text(FAKE_CONFIG)
             cmd += ["--config", str(cfg)]
         elif args.config:
             cmd += ["--config", args.config]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # noqa: ASYNC220 (before any load)
+                                env=os.environ.copy())
         url = f"http://127.0.0.1:{port}"
         try:
             await asyncio.to_thread(wait_ready, url + "/health", proc)
@@ -116,7 +117,8 @@ async def _run(args: argparse.Namespace) -> str:
                                                             outcomes, latencies, args.max_tokens)
                                                 for _ in range(args.clients)))
             await asyncio.sleep(1.0)
-            health = httpx.get(url + "/health").json()
+            async with httpx.AsyncClient() as http:
+                health = (await http.get(url + "/health")).json()
         finally:
             proc.terminate()
             proc.wait(timeout=30)

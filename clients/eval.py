@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from clients.local import free_port, markdown_table, wait_ready
-from ensembles.answers import extract_answer
+from chorus.clients.answers import extract_answer
+from chorus.clients.local import free_port, markdown_table, wait_ready
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
 
@@ -72,7 +72,7 @@ def load_data(path: Path, limit: int | None) -> list[tuple[str, Any, Any]]:
                 item = json.loads(line)
                 rows.append((item["question"], item.get("answer"), item))
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' (and 'answer') ({exc})")
+                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' (and 'answer') ({exc})") from None
             if limit is not None and len(rows) >= limit:
                 break
     return rows
@@ -84,7 +84,7 @@ def systems_from(args: argparse.Namespace) -> list[System]:
         try:
             spec = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise SystemExit(f"chorus eval: --ensemble is not JSON: {exc}")
+            raise SystemExit(f"chorus eval: --ensemble is not JSON: {exc}") from None
         label = spec.pop("label", None) or f"{spec.get('strategy', 'ensemble')}#{i + 1}"
         members = spec.get("members") or [{"model": "ensemble"}]
         first = members[0] if isinstance(members[0], str) else members[0].get("model", "ensemble")
@@ -158,7 +158,7 @@ def report(systems: list[System], tallies: list[Tally], n: int) -> str:
 
 def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "chorus", "serve", "--port", str(port), "--log-level", "warning"]
     if config:
         cmd += ["--config", config]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=sys.stderr)  # stdout is for the table

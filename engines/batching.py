@@ -23,16 +23,16 @@ import asyncio
 import inspect
 import logging
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
-from engines.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
+from chorus.engines.families.kv_cache import GrowingCache, cache_from
+from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.batching")
 
@@ -87,7 +87,7 @@ class _Prefill:
     ids: list[int]
     future: asyncio.Future[torch.Tensor]
     done: int = 0
-    cache: DynamicCache = field(default_factory=lambda: GrowingCache())  # defined below
+    cache: DynamicCache = field(default_factory=GrowingCache)
     logits: torch.Tensor | None = None
 
     @property
@@ -272,7 +272,7 @@ class BatchRunner:
         new_mask = torch.ones(n, new_t, dtype=torch.long, device=self.device)
         new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in job.cache.layers]
         if self.cache is None or self.mask is None or not self.rows:
-            self.cache = _cache_from([(k.contiguous(), v.contiguous()) for k, v in new_layers])
+            self.cache = cache_from([(k.contiguous(), v.contiguous()) for k, v in new_layers])
             self.mask = new_mask
         else:
             old_t = self.mask.shape[1]
@@ -286,7 +286,7 @@ class BatchRunner:
             for layer, (kn, vn) in zip(old_layers, new_layers):
                 merged.append((torch.cat([_lpad(layer.keys, t - old_t), _lpad(kn, t - new_t)], 0),
                                torch.cat([_lpad(layer.values, t - old_t), _lpad(vn, t - new_t)], 0)))
-            self.cache = _cache_from(merged)
+            self.cache = cache_from(merged)
             self.mask = torch.cat([_lpad(self.mask, t - old_t), _lpad(new_mask, t - new_t)], 0)
         for s in job.sessions:
             s.length = new_t
@@ -305,7 +305,7 @@ class BatchRunner:
         mask = self.mask.index_select(0, idx)
         first = int((mask.sum(0) > 0).nonzero()[0])  # leading columns that are padding for every row
         self.mask = mask[:, first:]
-        self.cache = _cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
+        self.cache = cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
                                   for l in self.cache.layers])
 
     def _reset_batch(self, err: Exception) -> None:
@@ -388,7 +388,7 @@ class BatchRunner:
             n = len(job.ids)
             job.logits = res.logits[row, last.index(n - 1), :].float().cpu()
             # _cache_from copies each slice into a buffer of its own
-            job.cache = _cache_from([(l.keys[row : row + 1, :, :n], l.values[row : row + 1, :, :n])
+            job.cache = cache_from([(l.keys[row : row + 1, :, :n], l.values[row : row + 1, :, :n])
                                      for l in cache.layers])
             job.done = n
 
@@ -422,61 +422,3 @@ def _lpad(x: torch.Tensor, n: int) -> torch.Tensor:
         return torch.cat([x.new_zeros(x.shape[0], n), x], 1)
     b, h, _, d = x.shape
     return torch.cat([x.new_zeros(b, h, n, d), x], 2)
-
-
-class GrowingLayer(DynamicLayer):
-    """A cache layer whose keys / values are views into buffers with spare room.
-
-    `DynamicLayer` concatenates on every update, copying the whole cache each decode step; here an
-    append writes in place and the buffer doubles when full.
-    """
-
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
-        super().__init__()
-        if keys is not None and values is not None:
-            self._adopt(keys, values, room=64)
-
-    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-        b, h, t, d = keys.shape  # (B, H, T, D)
-        self._k = keys.new_empty(b, h, t + room, d)
-        self._v = values.new_empty(b, h, t + room, values.shape[-1])
-        self._k[:, :, :t] = keys
-        self._v[:, :, :t] = values
-        self._t = t
-        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
-        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self._adopt(key_states, value_states, room=64)
-            return self.keys, self.values
-        t = self._t + key_states.shape[-2]
-        if t > self._k.shape[2]:
-            self._adopt(self.keys, self.values, room=max(64, t))
-        self._k[:, :, self._t : t] = key_states
-        self._v[:, :, self._t : t] = value_states
-        self._t = t
-        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
-        return self.keys, self.values
-
-    def overwrite_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replace the last columns written (a slot shared by several recurrence steps of one forward)."""
-        n = key_states.shape[-2]
-        self._k[:, :, self._t - n : self._t] = key_states
-        self._v[:, :, self._t - n : self._t] = value_states
-        return self.keys, self.values
-
-
-class GrowingCache(DynamicCache):
-    """A `DynamicCache` made of `GrowingLayer`s (full attention on every layer; chorus builds the masks)."""
-
-    def __init__(self, layers: list[GrowingLayer] | None = None) -> None:
-        if layers is None:
-            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
-        else:
-            Cache.__init__(self, layers=layers)
-
-
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:
-    return GrowingCache([GrowingLayer(k, v) for k, v in layers])

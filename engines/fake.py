@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engines.errors import ContextLengthExceeded, EngineFailed
-from engines.generation import SessionEngine
+from chorus.engines.generation import SessionEngine
+from chorus.errors import ContextLengthExceeded, EngineFailed
 
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 EOS_TOKEN = "<eos>"
@@ -30,7 +30,7 @@ class CharTokenizer:
     """One token per character; unknown characters map to ``?``."""
 
     def __init__(self) -> None:
-        self.vocab = _CHARS + [EOS_TOKEN]
+        self.vocab = [*_CHARS, EOS_TOKEN]
         self._ids = {c: i for i, c in enumerate(self.vocab)}
         self.eos_id = self._ids[EOS_TOKEN]
         self.eos_token_ids = frozenset({self.eos_id})

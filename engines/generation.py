@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from engines.base import (
+from chorus.engines.base import (
     LOGITS,
     STREAM,
     TEXT,
@@ -21,15 +21,15 @@ from engines.base import (
     Delta,
     Generation,
     GenerationRequest,
-    Session,
     SamplingParams,
-    TokenLogprob,
+    Session,
     Tokenizer,
+    TokenLogprob,
     TopLogprob,
 )
-from engines.detokenize import TextAssembler
-from engines.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
-from engines.sampling import logprob_info, make_generator, sample
+from chorus.engines.detokenize import TextAssembler
+from chorus.engines.sampling import logprob_info, make_generator, sample
+from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 
 
 def check_context(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
@@ -55,7 +55,7 @@ class SessionEngine:
     tokenizer: Tokenizer
     max_model_len: int
     capabilities = frozenset({TEXT, STREAM, LOGITS})
-    sampling_defaults: dict[str, float] = {}
+    sampling_defaults: ClassVar[dict[str, float]] = {}
 
     def open_session(self) -> Session:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.errors import EngineUnavailable
-from engines.sources import resolve_gguf
-from engines.spec import ModelSpec, chorus_home
+from chorus.engines.sources import resolve_gguf
+from chorus.engines.spec import ModelSpec, chorus_home
+from chorus.errors import EngineUnavailable
 
 MANIFEST = "chorus-prepared.json"
 PROBE = "The capital of France is"
@@ -112,7 +112,7 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
 def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None],
                      models: dict[str, ModelSpec]) -> Path:
     """Build a derived checkpoint (MoE upcycle, graft, MoDr retrofit) from its base, preparing the base first."""
-    from engines.families.checkpoint import BuildError
+    from chorus.errors import BuildError
 
     derive = spec.derive
     assert derive is not None
@@ -145,14 +145,14 @@ def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[st
 
 def _build(family: str, base_dir: Path, out: Path, options: dict, log: Callable[[str], None]) -> None:
     if family == "moe":
-        from engines.families.moe import UpcycleConfig, upcycle
+        from chorus.engines.families.moe import UpcycleConfig, upcycle
 
         upcycle(base_dir, out, UpcycleConfig(**options), force=True, log=log)
     elif family == "graft":
-        from engines.families.graft import GraftConfig, graft
+        from chorus.engines.families.graft import GraftConfig, graft
 
         graft(base_dir, out, GraftConfig(**options), force=True, log=log)
     else:
-        from engines.families.modr import build_retrofit
+        from chorus.engines.families.modr import build_retrofit
 
         build_retrofit(base_dir, out, options, force=True, log=log)

@@ -32,8 +32,11 @@ from typing import Any
 import aiohttp
 import torch
 
-from engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
-from engines.errors import (
+from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
+from chorus.engines.session_wire import decode_next
+from chorus.engines.spec import ModelSpec, RemoteSpec
+from chorus.engines.vocab import Vocab, vocab_of
+from chorus.errors import (
     CapabilityMismatch,
     EngineFailed,
     EngineUnavailable,
@@ -41,9 +44,6 @@ from engines.errors import (
     InvalidRequest,
     RateLimited,
 )
-from engines.session_wire import decode_next
-from engines.spec import ModelSpec, RemoteSpec
-from engines.vocab import Vocab, vocab_of
 
 log = logging.getLogger("chorus.remote")
 
@@ -206,7 +206,7 @@ class RemoteEngine:
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> RemoteEngine:
         from transformers import AutoTokenizer
 
-        from engines.hf_tokenizer import HFTokenizer
+        from chorus.engines.hf_tokenizer import HFTokenizer
 
         assert spec.remote is not None
         ref = spec.remote.tokenizer

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from engines.base import SamplingParams
+from chorus.engines.base import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:

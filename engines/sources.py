@@ -7,7 +7,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.errors import EngineUnavailable
+from chorus.errors import EngineUnavailable
 
 
 def _package_dir(module: str, pip_name: str, no_deps: bool = False) -> Path:
@@ -16,7 +16,7 @@ def _package_dir(module: str, pip_name: str, no_deps: bool = False) -> Path:
     if spec is None or not spec.submodule_search_locations:
         hint = f"pip install {'--no-deps ' if no_deps else ''}{pip_name}"
         raise EngineUnavailable(f"the package {pip_name!r} is not installed ({hint})")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def smollm2_gguf(home: Path) -> Path:

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from engines.batching import BatchedSession, BatchRunner
-from engines.errors import EngineUnavailable
-from engines.generation import SessionEngine
-from engines.hf_tokenizer import HFTokenizer
-from engines.spec import ModelSpec, chorus_home
+from chorus.engines.batching import BatchedSession, BatchRunner
+from chorus.engines.generation import SessionEngine
+from chorus.engines.hf_tokenizer import HFTokenizer
+from chorus.engines.spec import ModelSpec, chorus_home
+from chorus.errors import EngineUnavailable
 
 log = logging.getLogger("chorus.engine")
 
@@ -22,11 +22,11 @@ CPU_CONTEXT_CAP = 4096
 
 def family_observer(model: torch.nn.Module) -> Any:
     """The `RowObserver` of a model family (MoE expert load, MoDr routing), or None for a dense model."""
-    from engines.families.modr import MoDrModel, RoutingObserver
+    from chorus.engines.families.modr import MoDrModel, RoutingObserver
 
     if isinstance(model, MoDrModel):
         return RoutingObserver(model)
-    from engines.families.moe import ExpertLoad
+    from chorus.engines.families.moe import ExpertLoad
 
     return ExpertLoad(model) if ExpertLoad.applies_to(model) else None
 
@@ -62,7 +62,7 @@ class TransformersEngine(SessionEngine):
     def load(cls, spec: ModelSpec) -> TransformersEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from engines.prepare import is_prepared
+        from chorus.engines.prepare import is_prepared
 
         path = spec.checkpoint_dir(chorus_home())
         if spec.needs_prepare and not is_prepared(path):
@@ -71,7 +71,7 @@ class TransformersEngine(SessionEngine):
             raise EngineUnavailable(f"model {spec.name!r}: no checkpoint at {path}")
         if spec.device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineUnavailable(f"model {spec.name!r} asks for {spec.device} but CUDA is not available")
-        from engines.families.modr import is_modr_dir, load_modr
+        from chorus.engines.families.modr import is_modr_dir, load_modr
 
         t0 = time.perf_counter()
         if is_modr_dir(path):

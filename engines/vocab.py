@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from engines.base import Tokenizer
+from chorus.engines.base import Tokenizer
 
 
 class Vocab:

@@ -24,21 +24,21 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
-from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
-from engines.generation import check_context, collect
-from ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
-from ensembles.spec import EnsembleSpec, MemberSpec
+from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
+from chorus.engines.generation import check_context, collect
+from chorus.ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
+from chorus.ensembles.spec import EnsembleSpec, MemberSpec
+from chorus.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
 
 T = TypeVar("T")
 
 STRATEGIES: dict[str, str] = {
-    "logit_average": "ensembles.logit_average:LogitAverageStrategy",
-    "exchange_of_thought": "ensembles.exchange_of_thought:ExchangeOfThought",
-    "crowd_vote": "ensembles.crowd_vote:CrowdVote",
-    "mixture_of_agents": "ensembles.mixture_of_agents:MixtureOfAgents",
-    "route": "ensembles.route:Route",
-    "cascade": "ensembles.cascade:Cascade",
+    "logit_average": "chorus.ensembles.logit_average:LogitAverageStrategy",
+    "exchange_of_thought": "chorus.ensembles.exchange_of_thought:ExchangeOfThought",
+    "crowd_vote": "chorus.ensembles.crowd_vote:CrowdVote",
+    "mixture_of_agents": "chorus.ensembles.mixture_of_agents:MixtureOfAgents",
+    "route": "chorus.ensembles.route:Route",
+    "cascade": "chorus.ensembles.cascade:Cascade",
 }
 
 
@@ -206,7 +206,7 @@ class Call:
             gen = await member.engine.generate(req)
         except InvalidRequest:
             raise
-        except Exception as exc:  # noqa: BLE001 - a member's fault, handled per on_member_error
+        except Exception as exc:
             self.member_failed(member, exc)
             return None
         MEMBER_CALLS.labels(self.ensemble, member.label, "ok").inc()
@@ -226,7 +226,7 @@ class Call:
                 yield d
         except (InvalidRequest, MemberFailed):
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             MEMBER_CALLS.labels(self.ensemble, member.label, "failed").inc()
             raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
                                param="ensemble.members") from exc

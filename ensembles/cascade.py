@@ -18,11 +18,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import Choice, Delta
-from engines.errors import InvalidRequest
-from ensembles.answers import extract_answer
-from ensembles.base import Call, Strategy
-from ensembles.metrics import CASCADE_STEPS
+from chorus.clients.answers import extract_answer
+from chorus.engines.base import Choice, Delta
+from chorus.ensembles.base import Call, Strategy
+from chorus.ensembles.metrics import CASCADE_STEPS
+from chorus.errors import InvalidRequest
 
 
 class CascadeParams(BaseModel):

@@ -1,4 +1,4 @@
-"""``crowd_vote``: pick the candidate most similar to the others (methods.md section 3).
+"""``crowd_vote``: pick the candidate most similar to the others (docs/methods.md §3).
 
 Candidates come from the members (``samples_per_member`` each, at ``temperature`` if given) or from
 the request (``candidates: [...]``, to score external answers; then no member is called). Score
@@ -15,9 +15,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.base import Delta
-from ensembles.base import Call, Strategy, gather
-from ensembles.similarity import METRICS, crowd_scores, similarity
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Strategy, gather
+from chorus.ensembles.similarity import METRICS, crowd_scores, similarity
 
 Metric = Literal["embedding_cosine", "word_rouge_l", "char_rouge_l"]
 

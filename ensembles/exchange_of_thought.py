@@ -1,4 +1,4 @@
-"""``exchange_of_thought``: members solve, see each other's solutions, and solve again (methods.md section 2).
+"""``exchange_of_thought``: members solve, see each other's solutions, and solve again (docs/methods.md §2).
 
 Round 0: every agent answers. If all answers agree, stop before any exchange. Each later round, agent
 i sees its own latest solution and those of the peers its row of the visibility matrix names (from
@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engines.base import Delta
-from engines.errors import InvalidRequest
-from ensembles.answers import compile_pattern, extract_answer
-from ensembles.base import Call, Member, Strategy, gather, replace_question
+from chorus.clients.answers import compile_pattern, extract_answer
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Member, Strategy, gather, replace_question
+from chorus.errors import InvalidRequest
 
 TOPOLOGIES = ("memory", "report", "relay", "debate")
 INSTRUCTION = {"number": 'Solve it step by step, and end with "The answer is X" where X is a number.',
@@ -27,7 +27,7 @@ INSTRUCTION = {"number": 'Solve it step by step, and end with "The answer is X" 
 
 
 def visibility(topology: str, n: int) -> list[list[bool]]:
-    """``sees[i][j]``: agent i sees agent j's solution. The methods.md table, generalised to n agents:
+    """``sees[i][j]``: agent i sees agent j's solution. The paper's table, generalised to n agents:
     memory = everyone; report = the centre (0) sees all, the others see the centre; relay = a ring
     (i sees i+1); debate = the root (0) sees all, the others see each other but not the root."""
     rule = {

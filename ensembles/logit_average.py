@@ -1,4 +1,4 @@
-"""Shared-vocabulary logit averaging (methods.md section 1).
+"""Shared-vocabulary logit averaging (docs/methods.md §1).
 
 One session (own KV cache) per member per request. Each step combines the members' next-token
 distributions with normalised weights, in probability space (``p = sum_i w_i softmax(z_i)``, the
@@ -14,42 +14,19 @@ different vocabularies).
 
 from __future__ import annotations
 
-import asyncio
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session
-from engines.errors import CapabilityMismatch, InvalidRequest, MemberFailed
-from engines.generation import SessionEngine, check_context
-from ensembles.base import Call, Strategy, message
+from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session
+from chorus.engines.generation import SessionEngine, check_context
+from chorus.ensembles.base import Call, Strategy
+from chorus.ensembles.stepping import normalised_weights, step_members
+from chorus.errors import CapabilityMismatch, InvalidRequest
 
 SPACES = ("probability", "logit")
-
-
-async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequence[str], skip: bool,
-                       on_drop: Callable[[str, str], None] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Run one step of every member concurrently: (indices of the members still in, their logits).
-
-    A member that fails raises `MemberFailed` naming it, unless ``skip`` (and another member is left):
-    then it is reported to ``on_drop`` and left out. Client errors (context length) pass through.
-    """
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-    for _, r in failed:
-        if isinstance(r, InvalidRequest) or not isinstance(r, Exception):
-            raise r
-    if failed and (not skip or len(failed) == len(results)):
-        i, r = failed[0]
-        raise MemberFailed(f"ensemble member {labels[i]!r} failed: {message(r)}", param="ensemble.members") from r
-    for i, r in failed:
-        if on_drop is not None:
-            on_drop(labels[i], message(r))
-    keep = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
-    return keep, [results[i] for i in keep]  # type: ignore[misc]
 
 
 class AveragedSession:
@@ -165,14 +142,6 @@ class LogitAverage(SessionEngine):
         return len(self._open)
 
 
-def normalised_weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
-    w = list(weights) if weights is not None else [1.0] * n
-    if len(w) != n or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
-        raise InvalidRequest(f"'weights' must be {n} non-negative numbers (one per member) with a positive sum; "
-                             f"got {list(w)}.", param="ensemble.weights")
-    return torch.tensor(w, dtype=torch.float32) / sum(w)
-
-
 class LogitAverageParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -208,7 +177,7 @@ class LogitAverageStrategy(Strategy):
         labels = [m.label for m in self.members]
         p = self.params
         if p.align == "topk_union":
-            from ensembles.topk_union import TopkUnion
+            from chorus.ensembles.topk_union import TopkUnion
 
             return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)  # type: ignore[return-value]
         return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)

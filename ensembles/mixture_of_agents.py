@@ -1,4 +1,4 @@
-"""``mixture_of_agents``: proposers answer concurrently, an aggregator synthesises (methods.md section 4).
+"""``mixture_of_agents``: proposers answer concurrently, an aggregator synthesises (docs/methods.md §4).
 
 With ``layers`` > 1, each later layer's proposers also get the previous layer's answers in their system
 prompt. The aggregator (a served model, default: the first member) receives the last layer's answers in
@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import Delta
-from ensembles.base import Call, Member, Strategy, gather, resolve_members
-from ensembles.spec import MemberSpec
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Member, Strategy, gather, resolve_members
+from chorus.ensembles.spec import MemberSpec
 
 AGGREGATE = ("You have been given responses from several models to the user's latest message. Synthesise them "
              "into one high-quality answer. Evaluate them critically: some may be biased or incorrect. Do not "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import json
 import random
 from collections.abc import AsyncIterator
@@ -26,11 +27,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engines.base import Delta
-from engines.errors import InvalidRequest
-from ensembles.base import Call, Member, Strategy
-from ensembles.metrics import ROUTE_DECISIONS
-from ensembles.similarity import Embedder
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Member, Strategy
+from chorus.ensembles.metrics import ROUTE_DECISIONS
+from chorus.ensembles.similarity import Embedder
+from chorus.errors import InvalidRequest
 
 ROUTERS = ("random", "semantic", "cost")
 
@@ -53,7 +54,7 @@ class RouteParams(BaseModel):
     @field_validator("thresholds")
     @classmethod
     def _ascending(cls, v: list[float] | None) -> list[float] | None:
-        if v is not None and any(b < a for a, b in zip(v, v[1:])):
+        if v is not None and any(b < a for a, b in itertools.pairwise(v)):
             raise ValueError("thresholds must be in ascending order (members go cheap to expensive)")
         return v
 

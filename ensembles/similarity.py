@@ -1,4 +1,4 @@
-"""Pairwise similarity of candidate answers (methods.md section 3), all pairs at once.
+"""Pairwise similarity of candidate answers (docs/methods.md §3), all pairs at once.
 
 - ``word_rouge_l``: ROUGE-L F-measure over words, tokenised exactly as the `rouge-score` package does
   without stemming (lowercase, every run of characters outside ``[a-z0-9]`` is a separator).

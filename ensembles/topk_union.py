@@ -1,4 +1,4 @@
-"""``logit_average`` with ``align: topk_union``: members with different vocabularies (UniTE, methods.md §1).
+"""``logit_average`` with ``align: topk_union``: members with different vocabularies (UniTE, docs/methods.md §1).
 
 Every step, each member proposes its top-k tokens as *strings* (its tokenizer's text for the token, so
 ``Ġthe`` and ``▁the`` are both `` the``); the union of the strings is the step's vocabulary. A member
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
-from engines.base import (
+from chorus.engines.base import (
     LOGITS,
     TOPK_LOGITS,
     Delta,
@@ -27,12 +27,12 @@ from engines.base import (
     TokenLogprob,
     TopLogprob,
 )
-from engines.detokenize import TextAssembler
-from engines.errors import CapabilityMismatch, InvalidRequest
-from engines.generation import check_context
-from engines.sampling import logprob_info, make_generator, sample
-from engines.vocab import vocab_of
-from ensembles.logit_average import normalised_weights, step_members
+from chorus.engines.detokenize import TextAssembler
+from chorus.engines.generation import check_context
+from chorus.engines.sampling import logprob_info, make_generator, sample
+from chorus.engines.vocab import vocab_of
+from chorus.ensembles.stepping import normalised_weights, step_members
+from chorus.errors import CapabilityMismatch, InvalidRequest
 
 EOS = "\x00<eos>"  # the union entry for end-of-sequence
 

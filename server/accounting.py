@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from server.metrics import TTFT, count_tokens
+from chorus.server.metrics import TTFT, count_tokens
 
 
 def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[str] = (),

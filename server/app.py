@@ -9,18 +9,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engines.base import Engine
-from engines.spec import ModelSpec
-from ensembles.base import Ensemble
-from server import errors
-from server.auth import KeyStore
-from server.config import ChorusConfig, Settings
-from server.gateway import Door, Gateway
-from server.fastpath import FastPath
-from server.limits import BodyLimit
-from server.metrics import watch_engines
-from server.routes import router
-from server.sessions import SessionStore, router as sessions_router
+from chorus.config import ChorusConfig, Settings
+from chorus.engines.base import Engine
+from chorus.engines.spec import ModelSpec
+from chorus.ensembles.base import Ensemble
+from chorus.server import errors
+from chorus.server.auth import KeyStore
+from chorus.server.fastpath import FastPath
+from chorus.server.gateway import Door, Gateway
+from chorus.server.limits import BodyLimit
+from chorus.server.metrics import watch_engines
+from chorus.server.routes import router
+from chorus.server.sessions import SessionStore
+from chorus.server.sessions import router as sessions_router
 
 log = logging.getLogger("chorus.server")
 
@@ -30,15 +31,15 @@ __version__ = "0.1.0"
 def build_engine(spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> Engine:
     """Engines by kind; imports stay lazy so a fake-only config never imports transformers."""
     if spec.engine == "remote":
-        from engines.remote import RemoteEngine
+        from chorus.engines.remote import RemoteEngine
 
         return RemoteEngine.load(spec, models)
     if spec.engine == "fake":
-        from engines.fake import FakeEngine
+        from chorus.engines.fake import FakeEngine
 
         return FakeEngine(spec.name, sampling_defaults=spec.sampling_defaults.model_dump(exclude_none=True),
                           **spec.fake)
-    from engines.transformers_engine import TransformersEngine
+    from chorus.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine.load(spec)
 

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engines.errors import AuthenticationFailed, PermissionDenied, RateLimited
-from server.config import ApiKey
+from chorus.config import ApiKey
+from chorus.errors import AuthenticationFailed, PermissionDenied, RateLimited
 
 WINDOW_S = 60.0
 

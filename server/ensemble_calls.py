@@ -15,14 +15,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from engines.base import Delta
-from engines.errors import InvalidRequest
-from ensembles.base import Call, Ensemble, Prompt
-from ensembles.spec import EnsembleSpec
-from server import protocol as P
-from server.accounting import first_token, served_by, settle
-from server.events import chat_events, completion_events, first_and_rest
-from server.streaming import sse_response, until_disconnect
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Ensemble, Prompt
+from chorus.ensembles.spec import EnsembleSpec
+from chorus.errors import InvalidRequest
+from chorus.server import protocol as P
+from chorus.server.accounting import first_token, served_by, settle
+from chorus.server.events import chat_events, completion_events, first_and_rest
+from chorus.server.streaming import sse_response, until_disconnect
 
 
 def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:

@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.errors import GatewayError
+from chorus.errors import GatewayError
 
 log = logging.getLogger("chorus.errors")
 
@@ -56,24 +57,31 @@ def validation_envelope(errors: Sequence[Any]) -> JSONResponse:
     return envelope(400, text, "invalid_request_error", param, "invalid_value")
 
 
-def install(app: FastAPI) -> None:
-    @app.exception_handler(GatewayError)
-    async def _gateway(_: Request, exc: GatewayError) -> JSONResponse:
+def error_response(exc: BaseException) -> JSONResponse:
+    """The one exception -> HTTP map, used by the FastAPI handlers, the fast path and the gateway middleware.
+
+    `GatewayError` -> its status and type (``Retry-After`` when it has one); pydantic's validation
+    errors -> 400 naming the first bad field; Starlette's HTTP errors (404, 405, 413) -> their status;
+    anything else -> 500, logged with its traceback, with nothing of it in the body.
+    """
+    if isinstance(exc, GatewayError):
         if exc.status >= 500:
             log.error("request failed: %s", exc.message)
         return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, headers=retry_headers(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    if isinstance(exc, RequestValidationError | ValidationError):
         return validation_envelope(exc.errors())
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return envelope(exc.status_code, str(exc.detail), _HTTP_TYPES.get(exc.status_code, "server_error"),
                         None, code, headers=getattr(exc, "headers", None))
+    log.error("unhandled error", exc_info=exc)
+    return envelope(500, "The server had an error while processing your request.", "server_error")
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return envelope(500, "The server had an error while processing your request.", "server_error")
+
+async def _handle(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+def install(app: FastAPI) -> None:
+    for kind in (GatewayError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, _handle)

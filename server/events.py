@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engines.base import Delta
-from engines.errors import GatewayError
-from server import protocol as P
+from chorus.engines.base import Delta
+from chorus.errors import GatewayError
+from chorus.server import protocol as P
 
 
 async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

@@ -9,22 +9,16 @@ still documents these two routes) goes through FastAPI unchanged.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engines.errors import GatewayError
-from server import protocol as P
-from server.errors import envelope, retry_headers, validation_envelope
-from server.routes import chat_completions, completions, json_response
-
-log = logging.getLogger("chorus.errors")
+from chorus.server import protocol as P
+from chorus.server.errors import error_response
+from chorus.server.routes import chat_completions, completions, json_response
 
 
 class FastPath:
@@ -41,24 +35,13 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         model, handler = route
+        response: Response
         try:
-            body = await _read_body(receive)
-            try:
-                req = model.model_validate_json(body)
-            except ValidationError as exc:
-                response: Response = validation_envelope(exc.errors())
-            else:
-                out = await handler(req, Request(scope, receive))
-                response = out if isinstance(out, Response) else json_response(out)
-        except GatewayError as exc:
-            if exc.status >= 500:
-                log.error("request failed: %s", exc.message)
-            response = envelope(exc.status, exc.message, exc.type, exc.param, exc.code, headers=retry_headers(exc))
-        except HTTPException as exc:  # the body-size limit on a chunked body
-            response = envelope(exc.status_code, str(exc.detail), "invalid_request_error", None, "request_too_large")
-        except Exception:
-            log.exception("unhandled error")
-            response = envelope(500, "The server had an error while processing your request.", "server_error")
+            req = model.model_validate_json(await _read_body(receive))
+            out = await handler(req, Request(scope, receive))
+            response = out if isinstance(out, Response) else json_response(out)
+        except Exception as exc:  # validation, GatewayError, the body-size limit on a chunked body, bugs
+            response = error_response(exc)
         await response(scope, receive, send)
 
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engines.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
-from server.auth import KeyStore, Principal
-from server.config import Limits
-from server.errors import envelope, retry_headers
-from server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
+from chorus.config import Limits
+from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
+from chorus.server.auth import KeyStore, Principal
+from chorus.server.errors import error_response
+from chorus.server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 
 log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -73,8 +73,7 @@ class Gateway:
                     admitted = True
                 except GatewayError as exc:
                     REFUSED.labels(exc.code or exc.type).inc()
-                    await envelope(exc.status, exc.message, exc.type, exc.param, exc.code,
-                                   headers=retry_headers(exc))(scope, receive, send_with_id)
+                    await error_response(exc)(scope, receive, send_with_id)
                     return
             await self.app(scope, receive, send_with_id)
         finally:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.base import Choice, Delta, Generation, GenerationRequest, SamplingParams, TokenLogprob
-from engines.errors import InvalidRequest
+from chorus.engines.base import Choice, Delta, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from chorus.errors import InvalidRequest
 
 
 def new_id(prefix: str) -> str:

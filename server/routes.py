@@ -10,15 +10,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic_core import to_json
 
-from engines.base import Engine
-from engines.errors import InvalidRequest, ModelNotFound
-from engines.generation import check_context
-from ensembles.base import Ensemble
-from server import ensemble_calls
-from server import protocol as P
-from server.accounting import first_token, served_by, settle
-from server.events import chat_events, completion_events, first_and_rest
-from server.streaming import sse_response, until_disconnect
+from chorus.engines.base import Engine
+from chorus.engines.generation import check_context
+from chorus.ensembles.base import Ensemble
+from chorus.errors import InvalidRequest, ModelNotFound
+from chorus.server import ensemble_calls
+from chorus.server import protocol as P
+from chorus.server.accounting import first_token, served_by, settle
+from chorus.server.events import chat_events, completion_events, first_and_rest
+from chorus.server.streaming import sse_response, until_disconnect
 
 router = APIRouter()
 

@@ -30,23 +30,21 @@ import torch
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import LOGITS, Session
-from engines.session_wire import next_token
-from engines.errors import CapabilityMismatch, GatewayError, InvalidRequest, RateLimited
-from server.accounting import served_by
-from server.routes import resolve
+from chorus.engines.base import LOGITS, Session
+from chorus.engines.session_wire import next_token
+from chorus.errors import (
+    CapabilityMismatch,
+    InvalidRequest,
+    RateLimited,
+    SessionBusy,
+    SessionNotFound,
+)
+from chorus.server.accounting import served_by
+from chorus.server.routes import resolve
 
 log = logging.getLogger("chorus.sessions")
 API_VERSION = "1"
 router = APIRouter(prefix="/chorus/v1/sessions")
-
-
-class SessionNotFound(GatewayError):
-    status, type, code = 404, "invalid_request_error", "session_not_found"
-
-
-class SessionBusy(GatewayError):
-    status, type, code = 409, "invalid_request_error", "session_busy"
 
 
 class OpenBody(BaseModel):

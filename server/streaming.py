@@ -11,17 +11,10 @@ from typing import Any, TypeVar
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from engines.errors import DeadlineExceeded, EngineFailed, GatewayError
+from chorus.errors import ClientClosedRequest, DeadlineExceeded, EngineFailed, GatewayError
 
 log = logging.getLogger("chorus.stream")
 T = TypeVar("T")
-
-
-class ClientClosedRequest(GatewayError):
-    """The client went away before the response (nginx's 499); nobody reads this response."""
-
-    status = 499
-    type = "client_closed_request"
 
 
 def deadline_of(request: Request | None) -> float | None:
@@ -49,11 +42,10 @@ def sse_response(events: AsyncIterator[dict[str, Any]], request: Request | None 
         try:
             while True:
                 try:
-                    if deadline is None:
+                    # past the deadline the producer is cancelled (its finally frees the sessions); in this
+                    # task, not a wait_for task: a cancelled body must be able to close the producer
+                    async with asyncio.timeout_at(deadline):
                         event = await anext(events)
-                    else:  # past the deadline: the producer is cancelled (its finally frees the sessions)
-                        remaining = deadline - asyncio.get_running_loop().time()
-                        event = await asyncio.wait_for(anext(events), max(remaining, 0.0))
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -61,7 +53,7 @@ def sse_response(events: AsyncIterator[dict[str, Any]], request: Request | None 
                 yield json.dumps(event, separators=(",", ":"))
         except GatewayError as exc:
             yield json.dumps({"error": exc.to_dict()})
-        except Exception as exc:  # noqa: BLE001 - reported to the client, logged here
+        except Exception as exc:
             log.exception("stream failed")
             yield json.dumps({"error": EngineFailed(f"stream failed: {exc}").to_dict()})
         finally:

@@ -19,15 +19,13 @@ from typing import Any
 
 import torch
 
+from chorus.errors import BuildError
+
 #: architectures the builders accept as a base: the Llama layer layout (q/k/v/o, gate/up/down, RMSNorm)
 LLAMA_TYPES = ("llama", "mistral")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 MANIFEST = "chorus-prepared.json"
-
-
-class BuildError(Exception):
-    """A checkpoint cannot be built from this input (the message says why and what to change)."""
 
 
 @dataclass

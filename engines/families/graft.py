@@ -1,4 +1,4 @@
-"""SOLAR-style depth up-scaling ("grafting"), methods.md section 6.
+"""SOLAR-style depth up-scaling ("grafting"), docs/methods.md §7.
 
 From an n-layer base: copy A keeps layers [0, n-m), copy B keeps layers [m, n); stacking A then B
 gives 2(n-m) layers. Embeddings, final norm and head come from the base. The result is a standard
@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.families.checkpoint import Base, BuildError, atomic_output, check_new_dir, copy_tokenizer, load_base, save_checkpoint
+from chorus.engines.families.checkpoint import (
+    Base,
+    atomic_output,
+    check_new_dir,
+    copy_tokenizer,
+    load_base,
+    save_checkpoint,
+)
+from chorus.errors import BuildError
 
 
 @dataclass(frozen=True)

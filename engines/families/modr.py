@@ -1,4 +1,4 @@
-"""MoDr: a recurrent-depth transformer whose recurrent core has N routed LoRA branches (methods.md 7-8).
+"""MoDr: a recurrent-depth transformer whose recurrent core has N routed LoRA branches (docs/methods.md §8).
 
 Structure (Huginn): prelude P, recurrent core R, coda C over a frozen Llama-architecture base::
 
@@ -13,7 +13,7 @@ branch ``= argmax(r + b)``; gate ``g = r[branch]`` (bias excluded). Prefill rout
 (per prefill chunk for prompts longer than the engine's chunk); in decoding n = 1, so every new token
 is routed again (relay) while past tokens' K/V stay as computed.
 
-Choices methods.md leaves open, made here:
+Choices the papers leave open, made here:
 
 - The router is re-evaluated at every recurrence step (its input h_t changes with the state).
 - g scales the chosen branch's LoRA delta in every core projection: ``W x + g (alpha/r) B A x``.
@@ -47,7 +47,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from engines.families.checkpoint import BuildError, MANIFEST, atomic_output, check_llama, check_new_dir, copy_tokenizer, read_config
+from chorus.engines.families.checkpoint import (
+    MANIFEST,
+    atomic_output,
+    check_llama,
+    check_new_dir,
+    copy_tokenizer,
+    read_config,
+)
+from chorus.engines.families.kv_cache import GrowingLayer
+from chorus.errors import BuildError
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 WEIGHTS = "modr.safetensors"
@@ -264,8 +273,6 @@ class _Slots:
         return step_slots(self.cache.layers, self.n_pre + self.n_coda, self.n_core)
 
     def ensure_steps(self, n: int) -> None:
-        from engines.batching import GrowingLayer
-
         layers = self.cache.layers
         while len(layers) < self.n_pre + self.n_coda:
             layers.append(GrowingLayer())
@@ -539,8 +546,6 @@ def step_slots(layers: list[Any], fixed: int, core: int) -> int:
 def grow_steps(layers: list[Any], fixed: int, core: int, steps: int) -> list[Any]:
     """Append step slots up to ``steps``; a new slot starts as a copy of the latest step's K/V (Huginn's
     "latest" lookup for tokens that never ran it), or empty when there is none yet."""
-    from engines.batching import GrowingLayer
-
     for step in range(step_slots(layers, fixed, core), steps):
         for i in range(core):
             src = layers[fixed + (step - 1) * core + i] if step > 0 else None
@@ -629,7 +634,7 @@ def build_retrofit(base_dir: Path | str, out: Path | str, options: dict[str, Any
 
 def check_options(options: dict[str, Any], cfg: MoDrConfig) -> None:
     """A request's ``recurrence`` and ``exit`` (400 with the parameter named when wrong)."""
-    from engines.errors import InvalidRequest
+    from chorus.errors import InvalidRequest
 
     rec = options.get("recurrence")
     if rec is not None and (isinstance(rec, bool) or not isinstance(rec, int) or not 1 <= rec <= cfg.max_recurrence):

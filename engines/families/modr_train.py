@@ -1,4 +1,4 @@
-"""Training MoDr's branches (methods.md sections 7-8): ``chorus train modr``.
+"""Training MoDr's branches (docs/methods.md §8): ``chorus train modr``.
 
 Only the LoRA branches and the router train (and the input-injection adapter when the run starts
 from a plain Llama checkpoint, i.e. retrofitting); the base stays frozen. Each step samples a
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from engines.families.checkpoint import BuildError, atomic_output, check_new_dir, read_config
-from engines.families.modr import MoDrConfig, MoDrModel, is_modr_dir, load_base_model, load_modr, save_modr
+from chorus.engines.families.checkpoint import atomic_output, check_new_dir, read_config
+from chorus.engines.families.modr import MoDrConfig, MoDrModel, is_modr_dir, load_base_model, load_modr, save_modr
+from chorus.errors import BuildError
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Mixture-of-Experts: sparse upcycling (methods.md section 5) and expert-load observation.
+"""Mixture-of-Experts: sparse upcycling (docs/methods.md §6) and expert-load observation.
 
 `upcycle` turns a dense Llama-architecture checkpoint into a standard MoE checkpoint that
 transformers and vLLM load unchanged, in the Hugging Face hub layout:
@@ -30,7 +30,15 @@ from typing import Any, Literal
 
 import torch
 
-from engines.families.checkpoint import Base, BuildError, atomic_output, check_new_dir, copy_tokenizer, load_base, save_checkpoint
+from chorus.engines.families.checkpoint import (
+    Base,
+    atomic_output,
+    check_new_dir,
+    copy_tokenizer,
+    load_base,
+    save_checkpoint,
+)
+from chorus.errors import BuildError
 
 CALIBRATION = (
     "The quick brown fox jumps over the lazy dog. In 1492 Columbus sailed the ocean blue. "

@@ -8,10 +8,10 @@ import openai
 import pytest
 import torch
 
-from engines.prepare import prepare_model
-from engines.transformers_engine import TransformersEngine
-from server.app import create_app
-from server.config import ChorusConfig, load_config
+from chorus.config import ChorusConfig, load_config
+from chorus.engines.prepare import prepare_model
+from chorus.engines.transformers_engine import TransformersEngine
+from chorus.server.app import create_app
 from tests.conftest import LiveServer
 
 SMOL = "smollm2-135m-instruct"

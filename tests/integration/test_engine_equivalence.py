@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from engines.base import GenerationRequest, SamplingParams
-from engines.batching import BatchRunner
-from engines.transformers_engine import TransformersEngine
+from chorus.engines.base import GenerationRequest, SamplingParams
+from chorus.engines.batching import BatchRunner
+from chorus.engines.transformers_engine import TransformersEngine
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +109,7 @@ async def test_n_choices_share_one_prefill(smol_engine: TransformersEngine) -> N
 
 
 async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: TransformersEngine) -> None:
-    from ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average import LogitAverage
 
     ids = chat_ids(smol_engine, QUESTIONS[0])
     single = await smol_engine.generate(GenerationRequest(ids, greedy(16)))
@@ -123,7 +123,7 @@ async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: Tr
 
 async def test_concurrent_ensemble_requests_share_forward_passes(smol_engine: TransformersEngine) -> None:
     """Three logit_average requests at once: 6 member sessions, all stepped by the same forwards."""
-    from ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average import LogitAverage
 
     ens = LogitAverage([smol_engine, smol_engine])
     reqs = [GenerationRequest(chat_ids(smol_engine, q), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

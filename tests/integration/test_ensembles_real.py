@@ -8,7 +8,7 @@ import numpy as np
 import openai
 import pytest
 
-from ensembles.similarity import Embedder
+from chorus.ensembles.similarity import Embedder
 from tests.integration.conftest import GEMMA, SMOL
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.families.modr import load_modr
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.families.modr import load_modr
 from tests.conftest import LiveServer
 from tests.integration.conftest import SMOL
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from engines.prepare import is_prepared, prepare_model
-from engines.sources import smollm2_gguf
-from engines.spec import ModelSpec
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.prepare import is_prepared, prepare_model
+from chorus.engines.sources import smollm2_gguf
+from chorus.engines.spec import ModelSpec
+from chorus.server.app import create_app
 from tests.conftest import LiveServer
 from tests.integration.conftest import SMOL
 
@@ -55,7 +55,7 @@ def test_fast_chat_encoding_equals_transformers(default_config: ChorusConfig, mo
     as transformers' apply_chat_template + encode (SmolLM2's own template, Gemma's fallback)."""
     from transformers import AutoTokenizer
 
-    from engines.hf_tokenizer import HFTokenizer, message_text
+    from chorus.engines.hf_tokenizer import HFTokenizer, message_text
 
     tok = HFTokenizer(AutoTokenizer.from_pretrained(default_config.model(model).checkpoint_dir()))
     assert tok._template is not None

@@ -98,7 +98,8 @@ def test_disconnect_mid_stream_frees_the_kv_cache(real_server: LiveServer) -> No
     body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long essay about rivers."}],
             "max_tokens": 2000, "stream": True, "temperature": 0.7, "ignore_eos": True}
     with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
+        lines = r.iter_lines()  # held: a collected line iterator closes the connection (a disconnect)
+        for i, _ in enumerate(lines):
             if i >= 8:
                 break
         assert engine.active_sessions == 1

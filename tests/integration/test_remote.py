@@ -17,9 +17,9 @@ import openai
 import pytest
 import yaml
 
-from clients.local import free_port, wait_ready
-from server.app import create_app
-from server.config import ChorusConfig, load_config
+from chorus.clients.local import free_port, wait_ready
+from chorus.config import ChorusConfig, load_config
+from chorus.server.app import create_app
 from tests.conftest import LiveServer, wait_until
 from tests.integration.conftest import SMOL
 
@@ -31,7 +31,7 @@ class Worker:
     def __init__(self, cfg: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "worker", "--config", str(cfg), "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "chorus", "worker", "--config", str(cfg), "--port",
                                       str(self.port), "--no-prepare", "--log-level", "warning"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

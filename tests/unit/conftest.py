@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from engines.fake import FakeEngine
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.fake import FakeEngine
+from chorus.server.app import create_app
 from tests.conftest import LiveServer
 
 

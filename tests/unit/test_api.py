@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engines.fake import FakeEngine
+from chorus.engines.fake import FakeEngine
 from tests.conftest import LiveServer, wait_until
 
 
@@ -93,8 +93,8 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 
 
 def test_model_sampling_defaults_apply_when_the_request_leaves_them_out(live: type[LiveServer]) -> None:
-    from server.app import create_app
-    from server.config import ChorusConfig
+    from chorus.config import ChorusConfig
+    from chorus.server.app import create_app
 
     config = ChorusConfig.model_validate({"models": [
         {"name": "greedy-by-default", "engine": "fake", "fake": {"sharpness": 1.0},

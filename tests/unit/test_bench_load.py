@@ -7,7 +7,7 @@ import sys
 
 
 def test_load_bench_runs_clean() -> None:
-    out = subprocess.run([sys.executable, "-m", "server.cli", "bench", "load", "--seconds", "4", "--clients", "6"],
+    out = subprocess.run([sys.executable, "-m", "chorus", "bench", "load", "--seconds", "4", "--clients", "6"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert "| ok |" in out and "| ok (stream) |" in out and "disconnected mid-stream" in out
     assert "invalid: 400 invalid_json" in out or "invalid: 400 invalid_value" in out

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from engines import prepare as prep
-from engines.errors import EngineUnavailable
-from engines.spec import ModelSpec
-from server.config import ConfigError, load_config
+from chorus.config import ConfigError, load_config
+from chorus.engines import prepare as prep
+from chorus.engines.spec import ModelSpec
+from chorus.errors import EngineUnavailable
 
 
 def test_packaged_default_config() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -1,7 +1,7 @@
 import pytest
 
-from engines.detokenize import TextAssembler
-from engines.fake import CharTokenizer
+from chorus.engines.detokenize import TextAssembler
+from chorus.engines.fake import CharTokenizer
 
 tok = CharTokenizer()
 

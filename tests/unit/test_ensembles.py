@@ -9,11 +9,11 @@ import httpx
 import openai
 import pytest
 
-from engines.base import Delta
-from engines.fake import FakeEngine
-from ensembles.base import Call, Strategy, gather
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.base import Delta
+from chorus.engines.fake import FakeEngine
+from chorus.ensembles.base import Call, Strategy, gather
+from chorus.server.app import create_app
 from tests.conftest import LiveServer, wait_until
 
 
@@ -244,7 +244,7 @@ def test_moa_streams_the_aggregator(client: openai.OpenAI, fakes: dict[str, Fake
 
 
 def test_moa_aggregator_sees_the_proposals() -> None:
-    from ensembles.mixture_of_agents import with_references
+    from chorus.ensembles.mixture_of_agents import with_references
 
     msgs = with_references([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}], ["x", "y"])
     assert msgs[0]["role"] == "system" and msgs[0]["content"].startswith("Be brief.")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.eval import gold_answer, load_data
+from chorus.clients.eval import gold_answer, load_data
 
 CONFIG = """
 models:
@@ -43,7 +43,7 @@ def test_eval_compares_models_and_ensembles(tmp_path: Path) -> None:
     ens = json.dumps({"strategy": "exchange_of_thought", "members": ["right", "wrong", "right"], "label": "eot",
                       "max_rounds": 2})
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "eval", "--config", str(cfg), "--data", str(data), "--model", "right",
+        [sys.executable, "-m", "chorus", "eval", "--config", str(cfg), "--data", str(data), "--model", "right",
          "--model", "wrong", "--model", "vote", "--ensemble", ens, "--max-tokens", "64"],
         capture_output=True, text=True, timeout=300, check=True).stdout
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]

@@ -2,9 +2,9 @@ import asyncio
 
 import pytest
 
-from engines.base import GenerationRequest, SamplingParams
-from engines.errors import ContextLengthExceeded, EngineFailed
-from engines.fake import FakeEngine
+from chorus.engines.base import GenerationRequest, SamplingParams
+from chorus.engines.fake import FakeEngine
+from chorus.errors import ContextLengthExceeded, EngineFailed
 
 
 def req(engine: FakeEngine, prompt: str = "x", **kw) -> GenerationRequest:

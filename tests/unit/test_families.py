@@ -12,13 +12,21 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engines.batching import BatchRunner, GrowingCache
-from engines.errors import InvalidRequest
-from engines.families.checkpoint import BuildError, tiny_llama
-from engines.families.graft import GraftConfig, graft
-from engines.families.modr import MoDrConfig, MoDrModel, RoutingObserver, check_options, load_base_model, load_modr
-from engines.families.modr_train import TrainConfig, train_modr
-from engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
+from chorus.engines.batching import BatchRunner
+from chorus.engines.families.checkpoint import tiny_llama
+from chorus.engines.families.graft import GraftConfig, graft
+from chorus.engines.families.kv_cache import GrowingCache
+from chorus.engines.families.modr import (
+    MoDrConfig,
+    MoDrModel,
+    RoutingObserver,
+    check_options,
+    load_base_model,
+    load_modr,
+)
+from chorus.engines.families.modr_train import TrainConfig, train_modr
+from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
+from chorus.errors import BuildError, InvalidRequest
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +122,7 @@ def test_existing_output_is_not_overwritten_without_force(base: Path, tmp_path: 
 
 
 def test_a_failure_midway_leaves_no_output(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engines.families.graft as g
+    import chorus.engines.families.graft as g
 
     def broken(*a: object, **k: object) -> None:
         raise OSError("disk full")
@@ -142,7 +150,7 @@ def test_graft_equals_mergekit_passthrough_slices(base: Path, tmp_path: Path, dr
             assert torch.equal(got[name.replace(f"layers.{i}.", f"layers.{j}.", 1)], src[name])
     assert all(torch.equal(got[k], v) for k, v in src.items() if not k.startswith("model.layers."))
     assert len(got) == len([k for k in src if not k.startswith("model.layers.")]) + want_layers * 9
-    assert "layer_range: [0, %d]" % (n - drop) in (out / "mergekit.yaml").read_text()
+    assert f"layer_range: [0, {n - drop}]" in (out / "mergekit.yaml").read_text()
     model = AutoModelForCausalLM.from_pretrained(out)  # transformers loads it unchanged
     assert model.config.num_hidden_layers == want_layers
 
@@ -156,11 +164,11 @@ def test_graft_bad_drop(base: Path, tmp_path: Path, drop: int) -> None:
 
 def test_cli_reports_bad_input_with_exit_code_2(base: Path, tmp_path: Path) -> None:
     out = tmp_path / "g"
-    res = subprocess.run([sys.executable, "-m", "server.cli", "graft", "--base", str(base), "--drop", "9",
+    res = subprocess.run([sys.executable, "-m", "chorus", "graft", "--base", str(base), "--drop", "9",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--drop must be between 1 and 4" in res.stderr
     assert no_leftovers(out)
-    res = subprocess.run([sys.executable, "-m", "server.cli", "upcycle", "--base", str(base), "--experts", "4",
+    res = subprocess.run([sys.executable, "-m", "chorus", "upcycle", "--base", str(base), "--experts", "4",
                           "--top-k", "2", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads((out / "config.json").read_text())["num_local_experts"] == 4

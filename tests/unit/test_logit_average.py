@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from engines.base import GenerationRequest, SamplingParams
-from engines.errors import CapabilityMismatch, InvalidRequest
-from engines.fake import FakeEngine
-from ensembles.base import STRATEGIES, register, strategy_class
-from ensembles.logit_average import LogitAverage, LogitAverageStrategy
+from chorus.engines.base import GenerationRequest, SamplingParams
+from chorus.engines.fake import FakeEngine
+from chorus.ensembles.base import STRATEGIES, register, strategy_class
+from chorus.ensembles.logit_average import LogitAverage, LogitAverageStrategy
+from chorus.errors import CapabilityMismatch, InvalidRequest
 
 
 def req(e: FakeEngine, **kw) -> GenerationRequest:

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from engines.base import GenerationRequest, SamplingParams
-from engines.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
-from engines.fake import CharTokenizer, FakeEngine
-from engines.remote import RemoteEngine, ReplicaPool, Retryable, _error_from
-from engines.spec import ModelSpec
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.base import GenerationRequest, SamplingParams
+from chorus.engines.fake import CharTokenizer, FakeEngine
+from chorus.engines.remote import RemoteEngine, ReplicaPool, Retryable, _error_from
+from chorus.engines.spec import ModelSpec
+from chorus.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
+from chorus.server.app import create_app
 from tests.conftest import LiveServer
 
 

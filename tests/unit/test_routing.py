@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from engines.fake import FakeEngine
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.fake import FakeEngine
+from chorus.server.app import create_app
 from tests.conftest import LiveServer
 
 MATH = ["What is 17 times 23?", "Solve for x: 2x + 3 = 11.", "How much is 15% of 80?",
@@ -174,7 +174,7 @@ def test_route_calibrate_hits_the_target_share(tmp_path: Any) -> None:
     import argparse
     import json
 
-    from clients.route_calibrate import calibrate
+    from chorus.bench.route_calibrate import calibrate
 
     prompts = tmp_path / "sample.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in [*MATH, *CHAT, "What is 3 + 4?", "Hi!"]))

@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from engines.fake import FakeEngine
-from server.app import create_app
-from server.auth import KeyStore, hash_key
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.fake import FakeEngine
+from chorus.server.app import create_app
+from chorus.server.auth import KeyStore, hash_key
 from tests.conftest import LiveServer, wait_until
 
 CONFIG = {
@@ -121,8 +121,9 @@ async def test_per_key_concurrency_and_server_admission(server: LiveServer, fake
         r = await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-admin"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded" and r.headers["retry-after"]
         await asyncio.gather(one, *more)
-    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False},
-                   headers={"Authorization": "Bearer sk-one"})
+    async with httpx.AsyncClient() as after:
+        r = await after.post(server.url + "/v1/chat/completions", json={**body, "stream": False},
+                             headers={"Authorization": "Bearer sk-one"})
     assert r.status_code == 200  # released when the stream ended
 
 
@@ -201,8 +202,8 @@ def test_env_keys() -> None:
 def test_token_window_slides() -> None:
     import time
 
-    from engines.errors import RateLimited
-    from server.auth import Principal
+    from chorus.errors import RateLimited
+    from chorus.server.auth import Principal
 
     p = Principal("k", "h", tpm=100, rpm=3)
     p.admit(now=0.0)

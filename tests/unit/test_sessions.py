@@ -9,10 +9,10 @@ import httpx
 import pytest
 import torch
 
-from engines.fake import FakeEngine
-from engines.session_wire import decode_next, next_token
-from server.app import create_app
-from server.config import ChorusConfig
+from chorus.config import ChorusConfig
+from chorus.engines.fake import FakeEngine
+from chorus.engines.session_wire import decode_next, next_token
+from chorus.server.app import create_app
 from tests.conftest import LiveServer, wait_until
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.local import free_port, wait_ready
+from chorus.clients.local import free_port, wait_ready
 
 CONFIG = """
 server: {shutdown_grace_s: 20}
@@ -24,7 +24,7 @@ def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
     cfg.write_text(CONFIG)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_ready(url + "/health", proc, timeout=60, interval=0.2)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from rouge_score import rouge_scorer
 
-from ensembles.answers import compile_pattern, extract_answer
-from ensembles.crowd_vote import vote
-from ensembles.exchange_of_thought import agreed, confidence, majority, visibility
-from ensembles.similarity import char_rouge_l, crowd_scores, word_rouge_l
+from chorus.clients.answers import compile_pattern, extract_answer
+from chorus.ensembles.crowd_vote import vote
+from chorus.ensembles.exchange_of_thought import agreed, confidence, majority, visibility
+from chorus.ensembles.similarity import char_rouge_l, crowd_scores, word_rouge_l
 
 
 def texts(seed: int, n: int = 12) -> list[str]:
@@ -59,7 +59,7 @@ def test_char_rouge_l_is_lcs_f_over_lowercased_characters(seed: int) -> None:
 def test_crowd_scores_and_vote() -> None:
     sim = np.array([[1.0, 0.2, 0.3], [0.2, 1.0, 0.9], [0.3, 0.9, 1.0]])
     assert crowd_scores(sim).tolist() == pytest.approx([0.5, 1.1, 1.2])
-    winner, q, per = vote(["a b c", "a b d", "a b d"], {"word_rouge_l": 1.0})
+    winner, q, _per = vote(["a b c", "a b d", "a b d"], {"word_rouge_l": 1.0})
     assert winner == 1 and q[1] == q[2]  # a tie goes to the lowest index
 
 
@@ -87,7 +87,7 @@ def test_answer_pattern() -> None:
         compile_pattern("(")
 
 
-@pytest.mark.parametrize(("topology", "want"), [  # methods.md's table for A, B, C
+@pytest.mark.parametrize(("topology", "want"), [  # the EoT paper's table for A, B, C
     ("memory", [[0, 1, 1], [1, 0, 1], [1, 1, 0]]),
     ("report", [[0, 1, 1], [1, 0, 0], [1, 0, 0]]),
     ("relay", [[0, 1, 0], [0, 0, 1], [1, 0, 0]]),

@@ -20,12 +20,13 @@ def _fail(exc: Exception) -> int:
     return 2
 
 
-def cmd_upcycle(args: argparse.Namespace) -> int:
-    from engines.families.checkpoint import BuildError
-    from engines.families.moe import UpcycleConfig, upcycle
+def upcycle(args: argparse.Namespace) -> int:
+    from chorus.engines.families.moe import UpcycleConfig
+    from chorus.engines.families.moe import upcycle as build
+    from chorus.errors import BuildError
 
     try:
-        upcycle(args.base, args.out, UpcycleConfig(experts=args.experts, top_k=args.top_k,
+        build(args.base, args.out, UpcycleConfig(experts=args.experts, top_k=args.top_k,
                                                    shared_expert=args.shared_expert, router=args.router,
                                                    noise=args.noise, seed=args.seed), force=args.force)
     except BuildError as exc:
@@ -33,20 +34,22 @@ def cmd_upcycle(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_graft(args: argparse.Namespace) -> int:
-    from engines.families.checkpoint import BuildError
-    from engines.families.graft import GraftConfig, graft
+def graft(args: argparse.Namespace) -> int:
+    from chorus.engines.families.graft import GraftConfig
+    from chorus.engines.families.graft import graft as build
+    from chorus.errors import BuildError
 
     try:
-        graft(args.base, args.out, GraftConfig(drop=args.drop), force=args.force)
+        build(args.base, args.out, GraftConfig(drop=args.drop), force=args.force)
     except BuildError as exc:
         return _fail(exc)
     return 0
 
 
-def cmd_train_modr(args: argparse.Namespace) -> int:
-    from engines.families.checkpoint import BuildError
-    from engines.families.modr_train import TrainConfig, train_modr
+def train_modr(args: argparse.Namespace) -> int:
+    from chorus.engines.families.modr_train import TrainConfig
+    from chorus.engines.families.modr_train import train_modr as train
+    from chorus.errors import BuildError
 
     modr: dict[str, Any] = {"branches": args.branches, "rank": args.rank, "alpha": args.alpha}
     modr.update({k: getattr(args, k) for k in ("prelude", "core", "coda") if getattr(args, k) is not None})
@@ -56,14 +59,13 @@ def cmd_train_modr(args: argparse.Namespace) -> int:
                      mean_recurrence=args.mean_recurrence, bptt=args.bptt, eta=args.eta, seed=args.seed,
                      device=args.device, log_every=args.log_every)
     try:
-        train_modr(args.base, args.data, args.out, tc, modr=modr, force=args.force)
+        train(args.base, args.data, args.out, tc, modr=modr, force=args.force)
     except BuildError as exc:
         return _fail(exc)
     return 0
 
 
-def add_family_commands(sub: Any) -> None:
-    u = sub.add_parser("upcycle", help="sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE")
+def upcycle_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--base", required=True, help="dense Llama-architecture checkpoint directory")
     u.add_argument("--experts", type=int, required=True)
     u.add_argument("--top-k", type=int, required=True)
@@ -74,18 +76,16 @@ def add_family_commands(sub: Any) -> None:
     u.add_argument("--seed", type=int, default=0)
     u.add_argument("--out", required=True)
     u.add_argument("--force", action="store_true", help="replace an existing output directory")
-    u.set_defaults(func=cmd_upcycle)
 
-    g = sub.add_parser("graft", help="SOLAR depth up-scaling: layers [0, n-M) then [M, n)")
+
+def graft_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--base", required=True)
     g.add_argument("--drop", type=int, required=True, help="M: layers dropped at the seam from each copy")
     g.add_argument("--out", required=True)
     g.add_argument("--force", action="store_true")
-    g.set_defaults(func=cmd_graft)
 
-    t = sub.add_parser("train", help="training").add_subparsers(dest="train_cmd", required=True)
-    m = t.add_parser("modr", help="train MoDr's LoRA branches and router (retrofitting a Llama base, or "
-                                  "continuing a MoDr checkpoint)")
+
+def train_modr_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--base", required=True, help="Llama checkpoint (retrofit) or MoDr checkpoint directory")
     m.add_argument("--data", required=True, help="JSONL: text | prompt+completion | question+answer | messages")
     m.add_argument("--out", required=True)
@@ -107,4 +107,3 @@ def add_family_commands(sub: Any) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--log-every", type=int, default=10)
     m.add_argument("--force", action="store_true")
-    m.set_defaults(func=cmd_train_modr)

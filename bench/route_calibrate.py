@@ -24,16 +24,16 @@ def sample_prompts(path: Path, limit: int | None) -> list[str]:
             item = json.loads(line)
             out.append(str(item.get("prompt") or item["question"]))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise SystemExit(f"chorus route calibrate: {path}:{n}: need a JSON object with 'prompt' or 'question'")
+            raise SystemExit(f"chorus route calibrate: {path}:{n}: need a JSON object with 'prompt' or 'question'") from None
         if limit is not None and len(out) >= limit:
             break
     return out
 
 
 def calibrate(args: argparse.Namespace) -> str:
-    from ensembles.route import RouteParams, difficulty
-    from ensembles.similarity import Embedder
-    from server.config import load_config
+    from chorus.config import load_config
+    from chorus.ensembles.route import RouteParams, difficulty
+    from chorus.ensembles.similarity import Embedder
 
     named = {e.name: e for e in load_config(args.config).ensembles}
     if args.ensemble in named:
@@ -44,7 +44,7 @@ def calibrate(args: argparse.Namespace) -> str:
             raw = json.loads(args.ensemble)
         except json.JSONDecodeError:
             raise SystemExit(f"chorus route calibrate: {args.ensemble!r} is neither a named ensemble "
-                             f"({', '.join(named) or 'none'}) nor JSON")
+                             f"({', '.join(named) or 'none'}) nor JSON") from None
         members = [m if isinstance(m, str) else m.get("name") or m["model"] for m in raw.pop("members", [])]
         raw.pop("strategy", None)
         raw.pop("trace", None)

@@ -1,4 +1,4 @@
-"""Answer extraction from a model's solution text (methods.md section 2, as the EoT reference code does).
+"""Answer extraction from a model's solution text (docs/methods.md §2, as the EoT reference code does).
 
 - ``number``: the text after the last "the answer is" (or the whole text if the phrase is absent),
   thousands commas dropped; the first number there if the phrase was present, else the last number in

@@ -22,7 +22,7 @@ import random
 import time
 from typing import Any
 
-from clients.local import markdown_table
+from chorus.clients.local import markdown_table
 
 PROMPT = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
                                       "many clips in May. How many clips did Natalia sell altogether in April and May?"}]
@@ -47,7 +47,7 @@ async def _member_step_time(engine: Any, ids: list[int], tokens: int) -> float:
 
 
 async def _ensemble_rate(ens: Any, ids: list[int], tokens: int) -> float:
-    from engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.base import GenerationRequest, SamplingParams
 
     req = GenerationRequest(ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     t0 = time.perf_counter()
@@ -68,7 +68,7 @@ def _no_cache_rate(models: list[Any], ids: list[int], tokens: int) -> float:
 
 
 async def bench_logit_average(engine: Any, twin: Any, tokens: int, rounds: int, no_cache_tokens: int) -> str:
-    from ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average import LogitAverage
 
     ids = engine.tokenizer.encode_chat(PROMPT)
     shared, separate = LogitAverage([engine, engine]), LogitAverage([engine, twin])
@@ -100,7 +100,7 @@ async def bench_logit_average(engine: Any, twin: Any, tokens: int, rounds: int, 
 def bench_rouge(candidates: int, words: int, char_pairs: int, seed: int = 0) -> str:
     from rouge_score import rouge_scorer
 
-    from ensembles.similarity import char_rouge_l, word_rouge_l
+    from chorus.ensembles.similarity import char_rouge_l, word_rouge_l
 
     rng = random.Random(seed)
     vocab = [f"w{i}" for i in range(300)] + ["the", "a", "of", "and", "to", "in", "is", "it"]
@@ -133,9 +133,9 @@ def bench_rouge(candidates: int, words: int, char_pairs: int, seed: int = 0) -> 
 # ---- 3. text-level strategies: concurrency ----
 
 async def bench_text_strategies(engines: dict[str, Any], max_tokens: int) -> str:
-    from engines.base import SamplingParams
-    from ensembles.base import Ensemble, Prompt
-    from ensembles.spec import EnsembleSpec
+    from chorus.engines.base import SamplingParams
+    from chorus.ensembles.base import Ensemble, Prompt
+    from chorus.ensembles.spec import EnsembleSpec
 
     specs = {
         "exchange_of_thought (3 members, memory, max_rounds 2)": {
@@ -166,8 +166,8 @@ async def bench_text_strategies(engines: dict[str, Any], max_tokens: int) -> str
 async def _run(args: argparse.Namespace) -> None:
     import torch
 
-    from engines.transformers_engine import TransformersEngine
-    from server.config import load_config
+    from chorus.config import load_config
+    from chorus.engines.transformers_engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
     print(bench_rouge(args.candidates, args.words, args.char_pairs), flush=True)

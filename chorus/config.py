@@ -14,10 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engines.errors import GatewayError
-from engines.spec import ModelSpec
-from ensembles.base import register, strategy_class
-from ensembles.spec import NamedEnsemble
+from chorus.engines.spec import ModelSpec
+from chorus.ensembles.base import register, strategy_class
+from chorus.ensembles.spec import NamedEnsemble
+from chorus.errors import ConfigError, GatewayError
 
 DEFAULT_CONFIG = "default_config.yaml"
 
@@ -152,15 +152,11 @@ class Settings(BaseSettings):
     api_keys: str | None = None
 
 
-class ConfigError(Exception):
-    pass
-
-
 def load_config(path: str | Path | None = None) -> ChorusConfig:
     """Load and validate a config file; ``None`` means ``$CHORUS_CONFIG`` or the packaged default."""
     path = path or Settings().config
     if path is None:
-        text = resources.files("server").joinpath(DEFAULT_CONFIG).read_text()
+        text = resources.files("chorus").joinpath(DEFAULT_CONFIG).read_text()
         where = f"packaged {DEFAULT_CONFIG}"
     else:
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.local import free_port, wait_ready
+from chorus.clients.local import free_port, wait_ready
 
 PROMPT = "Write a long story about a dragon who learns to sing."
 
@@ -51,8 +51,8 @@ class Row:
 def _in_process(spec, tokens: int, concurrency: int, rounds: int) -> list[Row]:  # type: ignore[no-untyped-def]
     import torch
 
-    from engines.base import GenerationRequest, SamplingParams
-    from engines.transformers_engine import TransformersEngine
+    from chorus.engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.transformers_engine import TransformersEngine
 
     async def main() -> list[Row]:
         engine = TransformersEngine.load(spec)
@@ -157,7 +157,7 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
                 wait_ready(srv.url + "/v1/models", srv.proc)  # type: ignore[arg-type]
                 _http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
                 ready.append(srv)
-            except Exception as exc:  # noqa: BLE001 - the table says which rows are missing
+            except Exception as exc:
                 print(f"{srv.label} failed: {exc}\n{srv.log.read_text()[-1500:]}", file=sys.stderr)
         results: dict[tuple[str, int], list[Result]] = {}
         for _ in range(args.rounds):
@@ -186,8 +186,8 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from engines.prepare import prepare_model
-    from server.config import load_config
+    from chorus.config import load_config
+    from chorus.engines.prepare import prepare_model
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = Path(tmp) / "bench.yaml"
         cfg.write_text(json.dumps({"models": [spec.model_dump(exclude_none=True)]}))
         port = free_port()
-        servers = [Server("chorus serve", [sys.executable, "-m", "server.cli", "serve", "--config", str(cfg),
+        servers = [Server("chorus serve", [sys.executable, "-m", "chorus", "serve", "--config", str(cfg),
                                            "--port", str(port), "--no-prepare", "--log-level", "warning"],
                           port, spec.name, {"ignore_eos": True, "stream_options": {"include_usage": True}},
                           Path(tmp) / "chorus.log")]
@@ -223,3 +223,12 @@ def main(args: argparse.Namespace) -> int:
         p50, mx = (f"{statistics.median(t):.2f}", f"{max(t):.2f}") if t else ("-", "-")
         print(f"| {r.name} | {r.res.tok_s:.1f} | {r.ratio} | {p50} | {mx} | {r.res.tokens} |")
     return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-transformers-serve", action="store_true")

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from clients.local import markdown_table
+from chorus.clients.local import markdown_table
 
 PROMPT = "Write a long story about a dragon who learns to sing."
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _decode_rate(engine: Any, tokens: int, streams: int, options: dict[str, Any] | None = None,
                        trace: bool = False) -> tuple[float, dict[str, Any]]:
-    from engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.base import GenerationRequest, SamplingParams
 
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     traces = [{} if trace else None for _ in range(streams)]
@@ -55,7 +55,7 @@ def _modr_cache_vs_recompute(model: Any, context: int, batch: int, recurrence: i
     vs recomputing every sequence from scratch (the best of ``rounds``)."""
     import torch
 
-    from engines.batching import GrowingCache
+    from chorus.engines.families.kv_cache import GrowingCache
 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (batch, context - steps), generator=gen)
@@ -99,16 +99,16 @@ async def _routing_overhead(engine: Any, tokens: int, recurrence: int, rounds: i
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     import torch
 
-    from engines.transformers_engine import TransformersEngine
-    from server.config import load_config
+    from chorus.config import load_config
+    from chorus.engines.transformers_engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
 
-    async def main() -> None:
+    async def measure() -> None:
         modr = TransformersEngine.load(config.model(args.modr))
         await modr.start()
         rates = await _routing_overhead(modr, 32, args.recurrence, max(6, 3 * args.rounds))
@@ -160,5 +160,5 @@ def run(args: argparse.Namespace) -> int:
         await dense.aclose()
         await moe.aclose()
 
-    asyncio.run(main())
+    asyncio.run(measure())
     return 0

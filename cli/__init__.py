@@ -1,0 +1,109 @@
+"""The ``chorus`` command: one table of lazily imported subcommands.
+
+Each entry maps the command's words to ``"module:function"`` strings: the function that runs it and,
+optionally, the one that adds its arguments to an ``argparse`` parser. Nothing is imported until a
+command is chosen, so ``chorus --help`` (and a typo) costs no torch import; ``chorus CMD --help``
+imports only CMD's module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    run: str  #: "module:function" taking the parsed arguments, returning an exit code
+    arguments: str | None = None  #: "module:function" adding the command's arguments to a parser
+    config: bool = True  #: the command takes --config
+
+
+COMMANDS: dict[tuple[str, ...], Command] = {
+    ("serve",): Command("run the gateway", "chorus.cli.serve:serve", "chorus.cli.serve:arguments"),
+    ("worker",): Command("serve the config's models as a worker behind a gateway (the same OpenAI API)",
+                         "chorus.cli.serve:serve", "chorus.cli.serve:arguments"),
+    ("models", "prepare"): Command("convert packaged / GGUF models into the cache",
+                                   "chorus.cli.models:prepare", "chorus.cli.models:prepare_arguments"),
+    ("models", "list"): Command("models in the config and their state", "chorus.cli.models:list_models"),
+    ("keys", "hash"): Command("print the SHA-256 to put under auth.keys (the raw key is never stored)",
+                              "chorus.cli.keys:hash_command", "chorus.cli.keys:arguments", config=False),
+    ("upcycle",): Command("sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE",
+                          "chorus.cli.families:upcycle", "chorus.cli.families:upcycle_arguments", config=False),
+    ("graft",): Command("SOLAR depth up-scaling: layers [0, n-M) then [M, n)",
+                        "chorus.cli.families:graft", "chorus.cli.families:graft_arguments", config=False),
+    ("train", "modr"): Command("train MoDr's LoRA branches and router (retrofitting a Llama base, or continuing "
+                               "a MoDr checkpoint)", "chorus.cli.families:train_modr",
+                               "chorus.cli.families:train_modr_arguments", config=False),
+    ("eval",): Command("accuracy of models and ensembles on a JSONL dataset, side by side",
+                       "chorus.clients.eval:main", "chorus.clients.eval:add_arguments"),
+    ("route", "calibrate"): Command("cost-router thresholds for target shares of calls",
+                                    "chorus.bench.route_calibrate:main", "chorus.bench.route_calibrate:add_arguments"),
+    ("bench", "engine"): Command("decode throughput: chorus engine vs model.generate()",
+                                 "chorus.bench.engine:main", "chorus.bench.engine:add_arguments"),
+    ("bench", "ensembles"): Command("ensemble overheads: logit averaging, ROUGE-L scoring, concurrency",
+                                    "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
+    ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",
+                                   "chorus.bench.families:main", "chorus.bench.families:add_arguments"),
+    ("bench", "load"): Command("N clients for T seconds: outcomes, errors, p99, memory",
+                               "chorus.clients.bench_load:main", "chorus.clients.bench_load:add_arguments"),
+    ("bench", "gateway"): Command("gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
+                                  "chorus.clients.bench_gateway:main", "chorus.clients.bench_gateway:add_arguments",
+                                  config=False),
+}
+
+
+def load(target: str) -> Callable[..., Any]:
+    """``"module:function"`` -> the function (the module is imported now, not before)."""
+    module, _, name = target.partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+def _usage(prefix: tuple[str, ...]) -> str:
+    rows = [(" ".join(words), c.help) for words, c in COMMANDS.items() if words[:len(prefix)] == prefix]
+    width = max(len(w) for w, _ in rows)
+    lines = [f"usage: chorus {' '.join(prefix) + ' ' if prefix else ''}COMMAND [--help] [ARGS]", "",
+             "OpenAI-compatible LLM gateway with ensembles. Commands:", ""]
+    lines += [f"  {w:<{width}}  {h}" for w, h in rows]
+    return "\n".join(lines)
+
+
+def parser_for(words: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The argument parser of one command (imports the module that defines its arguments)."""
+    command = COMMANDS[words]
+    p = argparse.ArgumentParser(prog="chorus " + " ".join(words), description=command.help)
+    if command.config:
+        p.add_argument("--config", help="config YAML (default: $CHORUS_CONFIG or the packaged default)")
+    if command.arguments:
+        load(command.arguments)(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words: tuple[str, ...] = ()
+    for word in argv:
+        if word.startswith("-") or (*words, word) not in {k[:len(words) + 1] for k in COMMANDS}:
+            break
+        words += (word,)
+    if words not in COMMANDS:
+        wants_help = any(a in ("-h", "--help") for a in argv[len(words):])
+        rest = argv[len(words):]
+        if wants_help or not rest:
+            print(_usage(words), file=sys.stdout if wants_help else sys.stderr)
+            return 0 if wants_help else 2
+        print(_usage(words), file=sys.stderr)
+        print(f"\nchorus: unknown command {' '.join((*words, rest[0]))!r}", file=sys.stderr)
+        return 2
+    args = parser_for(words).parse_args(argv[len(words):])
+    return int(load(COMMANDS[words].run)(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""``chorus serve`` and ``chorus worker``: the gateway (a worker is the same server behind a gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+
+from chorus.config import ChorusConfig, ConfigError, Settings, load_config
+
+
+def config_of(args: argparse.Namespace) -> ChorusConfig:
+    """The command's ``--config`` (or the default), or exit with the config error."""
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        sys.exit(f"chorus: {exc}")
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--log-level", help="default: server.log.level in the config")
+    p.add_argument("--no-prepare", action="store_true", help="fail instead of preparing missing models")
+
+
+def configure_logging(json_format: bool, level: str) -> None:
+    """One JSON object per line (request id, status, latency, key, model, usage) or plain text."""
+    handler = logging.StreamHandler()
+    if json_format:
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                           rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from chorus.engines.prepare import is_prepared, prepare_model
+    from chorus.errors import GatewayError
+    from chorus.server.app import create_app
+
+    config = config_of(args)
+    env = Settings()
+    host = args.host or env.host or config.server.host
+    port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
+    for spec in config.models:
+        if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
+            sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
+        try:
+            prepare_model(spec, models={m.name: m for m in config.models})
+        except GatewayError as exc:
+            sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
+    configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
+    app = create_app(config)
+    if not app.state.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "
+              "auth.keys (chorus keys hash) or CHORUS_API_KEYS to serve other hosts", file=sys.stderr, flush=True)
+        host = "127.0.0.1"
+    elif not app.state.keys.enabled:
+        print("chorus: no API keys configured: open to local clients only (127.0.0.1)", file=sys.stderr, flush=True)
+    print(f"chorus: serving {', '.join(m.name for m in config.models)} on http://{host}:{port}/v1", flush=True)
+
+    grace = config.server.shutdown_grace_s
+
+    class Server(uvicorn.Server):
+        """SIGTERM: stop admitting (/health 503 draining, /v1 503), let in-flight requests finish for up to
+        ``shutdown_grace_s``, then stop (uvicorn cancels what is left). A second signal stops at once."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            door = app.state.door
+            if door.draining:
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+                return
+            door.draining = True
+            print(f"chorus: draining: {door.inflight} request(s) in flight, up to {grace:g} s", file=sys.stderr,
+                  flush=True)
+
+            def drain() -> None:
+                deadline = time.monotonic() + grace
+                while door.inflight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                super(Server, self).handle_exit(sig, frame)  # type: ignore[arg-type]
+
+            threading.Thread(target=drain, name="chorus-drain", daemon=True).start()
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level or config.server.log.level,
+                          access_log=False, timeout_graceful_shutdown=max(1, int(grace)),
+                          log_config=None)).run()
+    return 0
+
+
