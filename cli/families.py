@@ -47,8 +47,8 @@ def graft(args: argparse.Namespace) -> int:
 
 
 def train_modr(args: argparse.Namespace) -> int:
-    from chorus.engines.families.modr_train import TrainConfig
-    from chorus.engines.families.modr_train import train_modr as train
+    from chorus.engines.families.modr.train import TrainConfig
+    from chorus.engines.families.modr.train import train_modr as train
     from chorus.errors import BuildError
 
     modr: dict[str, Any] = {"branches": args.branches, "rank": args.rank, "alpha": args.alpha}

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from chorus.engines.families.metric import Metric
+
 TEXT = "text"
 STREAM = "stream"
 LOGITS = "logits"
@@ -170,3 +172,7 @@ class Engine(Protocol):
     def active_sessions(self) -> int: ...
 
     def stats(self) -> dict[str, int]: ...
+
+    def family_metrics(self) -> list[Metric]:
+        """A model family's counters since start-up, for Prometheus (MoE expert load, MoDr branches)."""
+        ...

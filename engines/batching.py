@@ -26,12 +26,13 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from chorus.engines.families.kv_cache import GrowingCache, cache_from
+from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.batching")
@@ -95,23 +96,12 @@ class _Prefill:
         return self.future.done() or all(s.closed for s in self.sessions)
 
 
-class RowObserver(Protocol):
-    """Sees every forward of a runner (model families: expert load, MoDr routing).
-
-    ``rows`` holds the session each batch row serves (None: a padding row); after the forward, row b's
-    real tokens are its first ``lens[b]`` positions of ``width``. Both run on the forward thread.
-    """
-
-    def before(self, rows: list[BatchedSession | None]) -> None: ...
-
-    def after(self, rows: list[BatchedSession | None], lens: list[int], width: int) -> None: ...
-
-
 class BatchRunner:
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, max_batch_size: int = 16,
-                 prefill_chunk: int = 512, gather_wait_s: float = 0.004, observer: RowObserver | None = None) -> None:
+                 prefill_chunk: int = 512, gather_wait_s: float = 0.004, observer: FamilyObserver | None = None) -> None:
         self.model = model
-        self.observer = observer
+        #: the model family's hooks around every forward (dense: none)
+        self.observer = observer if observer is not None else DenseObserver()
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
@@ -279,9 +269,8 @@ class BatchRunner:
             t = max(old_t, new_t)
             merged = []
             old_layers = list(self.cache.layers)
-            if len(old_layers) != len(new_layers) and hasattr(self.model, "match_cache_layers"):
-                # MoDr: caches with different numbers of recurrence-step slots
-                old_layers, grown = self.model.match_cache_layers(old_layers, list(job.cache.layers))
+            if len(old_layers) != len(new_layers):  # MoDr: different numbers of recurrence-step slots
+                old_layers, grown = self.observer.match_caches(old_layers, list(job.cache.layers))
                 new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in grown]
             for layer, (kn, vn) in zip(old_layers, new_layers):
                 merged.append((torch.cat([_lpad(layer.keys, t - old_t), _lpad(kn, t - new_t)], 0),
@@ -349,10 +338,8 @@ class BatchRunner:
         return out
 
     def _observed(self, rows: list[BatchedSession | None], lens: list[int], width: int, **inputs: Any) -> Any:
-        """One model forward; the model family's observer, if any, sees the rows before and after it
-        (the first session of a prefill stands for its n choices)."""
-        if self.observer is None:
-            return self.model(**inputs)
+        """One model forward, with the model family's observer before and after it (on this thread; the
+        first session of a prefill stands for its n choices)."""
         self.observer.before(rows)
         res = self.model(**inputs)
         self.observer.after(rows, lens, width)

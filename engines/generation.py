@@ -28,6 +28,8 @@ from chorus.engines.base import (
     TopLogprob,
 )
 from chorus.engines.detokenize import TextAssembler
+from chorus.engines.families.metric import Metric
+from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.sampling import logprob_info, make_generator, sample
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 
@@ -73,15 +75,20 @@ class SessionEngine:
     def stats(self) -> dict[str, int]:
         return {"active_sessions": self.active_sessions}
 
+    #: the model family's hooks (MoE expert load, MoDr routing and options); a plain model's by default
+    observer: FamilyObserver = DenseObserver()
+
     def check_options(self, options: dict[str, Any]) -> None:
-        """Model-family options of a request; plain models take none."""
-        if options:
-            name = sorted(options)[0]
-            raise InvalidRequest(f"'{name}' applies to MoDr models only; {self.name!r} is not one.", param=name)
+        """Model-family options of a request (MoDr's ``recurrence``, ``exit``); plain models take none."""
+        self.observer.check_options(options, self.name)
 
     def family_trace(self, sessions: list[Session]) -> dict[str, Any]:
         """What the model family observed for these sessions (a request's ``trace``)."""
-        return {}
+        return self.observer.trace(sessions)
+
+    def family_metrics(self) -> list[Metric]:
+        """The model family's counters since start-up (Prometheus)."""
+        return self.observer.metrics()
 
     async def generate(self, request: GenerationRequest) -> Generation:
         choices = await collect(self.stream(request), request.params.logprobs)

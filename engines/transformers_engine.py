@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from chorus.engines.batching import BatchedSession, BatchRunner
+from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.generation import SessionEngine
 from chorus.engines.hf_tokenizer import HFTokenizer
 from chorus.engines.spec import ModelSpec, chorus_home
@@ -20,15 +21,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_CONTEXT_CAP = 4096
 
 
-def family_observer(model: torch.nn.Module) -> Any:
-    """The `RowObserver` of a model family (MoE expert load, MoDr routing), or None for a dense model."""
-    from chorus.engines.families.modr import MoDrModel, RoutingObserver
+def observer_for(model: torch.nn.Module) -> FamilyObserver:
+    """The observer of a model's family: MoDr routing, MoE expert load, or the dense default."""
+    from chorus.engines.families.modr import MoDrModel, RoutingObserver  # lazily: torch modules of the families
 
     if isinstance(model, MoDrModel):
         return RoutingObserver(model)
     from chorus.engines.families.moe import ExpertLoad
 
-    return ExpertLoad(model) if ExpertLoad.applies_to(model) else None
+    return ExpertLoad(model) if ExpertLoad.applies_to(model) else DenseObserver()
 
 
 class TransformersEngine(SessionEngine):
@@ -41,22 +42,9 @@ class TransformersEngine(SessionEngine):
         native = int(getattr(model.config.get_text_config(), "max_position_embeddings", CPU_CONTEXT_CAP))
         default = native if spec.device != "cpu" else min(native, CPU_CONTEXT_CAP)
         self.max_model_len = min(spec.max_model_len or default, native)
-        self.observer = family_observer(model)
+        self.observer = observer_for(model)
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
-
-    def check_options(self, options: dict[str, Any]) -> None:
-        """A family that takes request options (MoDr) checks them itself; other models take none."""
-        check = getattr(self.observer, "check_options", None)
-        if check is None:
-            return super().check_options(options)
-        check(options)
-
-    def family_trace(self, sessions: list[Any]) -> dict[str, Any]:
-        return self.observer.trace(sessions) if self.observer is not None else {}
-
-    def family_metrics(self) -> list[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
-        return self.observer.metrics() if self.observer is not None else []
 
     @classmethod
     def load(cls, spec: ModelSpec) -> TransformersEngine:

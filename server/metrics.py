@@ -37,8 +37,7 @@ class EngineCollector(Collector):
                                                                   labels=["model"]))
                 fam.add_metric([name], float(value))
             # model-family counters (MoE expert load, MoDr branch usage), kept by the engine since start-up
-            metrics = getattr(engine, "family_metrics", None)
-            for metric, doc, labels, samples in (metrics() if metrics else []):
+            for metric, doc, labels, samples in engine.family_metrics():
                 cfam = families.setdefault(metric, CounterMetricFamily(metric, doc, labels=["model", *labels]))
                 for values, value in samples:
                     cfam.add_metric([name, *values], value)

@@ -38,6 +38,8 @@ from chorus.engines.families.checkpoint import (
     load_base,
     save_checkpoint,
 )
+from chorus.engines.families.metric import Metric
+from chorus.engines.families.observer import FamilyObserver
 from chorus.errors import BuildError
 
 CALIBRATION = (
@@ -191,10 +193,10 @@ def upcycle(base_dir: Path | str, out: Path | str, cfg: UpcycleConfig, *, force:
     return out
 
 
-class ExpertLoad:
+class ExpertLoad(FamilyObserver):
     """Counts tokens routed to each expert per layer, from forward hooks on the model's routers.
 
-    A `RowObserver` of the batching engine: after each forward the routing decisions of real tokens
+    The batching engine's `FamilyObserver` for MoE models: after each forward the routing decisions of real tokens
     are split between the sequences they belong to (``session.family``: a (layers, experts) count)
     and added to ``totals`` (since start-up, for Prometheus). Padding tokens are routed by the model
     too but never counted.
@@ -248,7 +250,7 @@ class ExpertLoad:
         parts = [s.family for s in sessions if s.family is not None]
         return {"experts": load_summary(sum(parts) if parts else torch.zeros(self.layers, self.experts, dtype=torch.long))}
 
-    def metrics(self) -> list[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+    def metrics(self) -> list[Metric]:
         samples = [([str(l), str(e)], float(self.totals[l, e])) for l in range(self.layers) for e in range(self.experts)]
         return [("chorus_moe_expert_tokens", "Tokens routed to each expert, per MoE layer (top-k: k per token)",
                  ["layer", "expert"], samples)]

@@ -24,7 +24,7 @@ from chorus.engines.families.modr import (
     load_base_model,
     load_modr,
 )
-from chorus.engines.families.modr_train import TrainConfig, train_modr
+from chorus.engines.families.modr.train import TrainConfig, train_modr
 from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
 from chorus.errors import BuildError, InvalidRequest
 

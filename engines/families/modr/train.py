@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 from chorus.engines.families.checkpoint import atomic_output, check_new_dir, read_config
-from chorus.engines.families.modr import MoDrConfig, MoDrModel, is_modr_dir, load_base_model, load_modr, save_modr
+from chorus.engines.families.modr.checkpoint import is_modr_dir, load_base_model, load_modr, save_modr
+from chorus.engines.families.modr.config import MoDrConfig
+from chorus.engines.families.modr.model import MoDrModel
 from chorus.errors import BuildError
 
 
