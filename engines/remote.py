@@ -1,8 +1,9 @@
 """A model served by OpenAI-compatible servers (vLLM, chorus worker, transformers serve), several replicas.
 
-`ReplicaPool` picks, for each request, the healthy replica with the fewest requests outstanding; a
-replica that fails (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health
-loop (``/health``, else ``/v1/models``) brings it back. A request is retried on another replica as long
+Replicas and retries live in ``replicas.py``, the OpenAI request / response format in
+``openai_wire.py``; this module holds the engine and its token-level sessions. `ReplicaPool` picks,
+for each request, the healthy replica with the fewest requests outstanding; a replica that fails
+(connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health loop (``/health``, else ``/v1/models``) brings it back. A request is retried on another replica as long
 as nothing has been sent to the client; after the first streamed delta a failure is an error (the
 gateway sends it as the stream's final error event, never a silent cut).
 
@@ -23,16 +24,16 @@ import asyncio
 import json
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
 
-from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Choice, Delta, Generation, GenerationRequest
+from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Delta, Generation, GenerationRequest
+from chorus.engines.openai_wire import deltas_from, generation_from, request_body
+from chorus.engines.replicas import Replica, ReplicaPool, Retryable, error_from
 from chorus.engines.session_wire import decode_next
 from chorus.engines.spec import ModelSpec, RemoteSpec
 from chorus.engines.vocab import Vocab, vocab_of
@@ -40,69 +41,10 @@ from chorus.errors import (
     CapabilityMismatch,
     EngineFailed,
     EngineUnavailable,
-    GatewayError,
     InvalidRequest,
-    RateLimited,
 )
 
 log = logging.getLogger("chorus.remote")
-
-
-class Retryable(Exception):
-    """A replica failed before anything reached the client: another replica may answer."""
-
-
-@dataclass
-class Replica:
-    url: str
-    outstanding: int = 0
-    down_until: float = 0.0
-    failures: int = 0
-    served: int = 0
-    last_error: str = ""
-
-    @property
-    def healthy(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-
-class ReplicaPool:
-    def __init__(self, urls: list[str], cooldown_s: float) -> None:
-        self.replicas = [Replica(u.rstrip("/")) for u in urls]
-        self.cooldown_s = cooldown_s
-
-    def pick(self, tried: set[str]) -> Replica:
-        candidates = [r for r in self.replicas if r.url not in tried and r.healthy]
-        if not candidates:
-            down = [f"{r.url} ({r.last_error or 'cooling down'})" for r in self.replicas]
-            raise EngineUnavailable(f"No healthy replica left: {'; '.join(down)}.")
-        return min(candidates, key=lambda r: (r.outstanding, r.served))
-
-    def failed(self, replica: Replica, why: str) -> None:
-        replica.failures += 1
-        replica.last_error = why
-        replica.down_until = time.monotonic() + self.cooldown_s
-        log.warning("replica %s out for %.0fs: %s", replica.url, self.cooldown_s, why)
-
-    def stats(self) -> dict[str, int]:
-        return {"replicas": len(self.replicas), "replicas_healthy": sum(r.healthy for r in self.replicas),
-                "outstanding": sum(r.outstanding for r in self.replicas)}
-
-
-def _error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
-    try:
-        err = json.loads(body).get("error") or {}
-        msg = err.get("message") if isinstance(err, dict) else str(err)
-    except (json.JSONDecodeError, AttributeError):
-        msg = body[:300]
-    msg = msg or f"HTTP {status}"
-    if status >= 500:
-        return Retryable(f"{url}: HTTP {status}: {msg}")
-    if status == 429:
-        return RateLimited(f"upstream rate limit: {msg}", retry_after=1.0)
-    if status in (400, 413, 422):
-        return InvalidRequest(f"upstream refused the request: {msg}")
-    return EngineFailed(f"{url}: HTTP {status}: {msg}")  # 401/403/404: the gateway's config is wrong
 
 
 class RemoteSession:
@@ -292,7 +234,7 @@ class RemoteEngine:
         async with self.client.request(method, url, json=body) as resp:
             text = await resp.text()
             if resp.status != 200:
-                raise _error_from(resp.status, text, replica.url)
+                raise error_from(resp.status, text, replica.url)
         return json.loads(text)
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -320,37 +262,13 @@ class RemoteEngine:
     def stats(self) -> dict[str, int]:
         return {"active_sessions": self.active_sessions, **self.pool.stats()}
 
-    def _request(self, req: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
-        p = req.params
-        if p.logprobs:
-            raise InvalidRequest(f"logprobs are not relayed from the remote model {self.name}.", param="logprobs")
-        body: dict[str, Any] = {"model": self.upstream_model, "temperature": p.temperature, "top_p": p.top_p,
-                                "n": p.n, "stream": stream, "presence_penalty": p.presence_penalty,
-                                "frequency_penalty": p.frequency_penalty}
-        if p.max_tokens is not None:
-            body["max_tokens"] = p.max_tokens
-        if p.seed is not None:
-            body["seed"] = p.seed
-        stop = list(p.stop) + list(req.extra_stop)
-        if stop:
-            body["stop"] = stop[:4]
-        if p.top_k:
-            body["top_k"] = p.top_k
-        if p.ignore_eos:
-            body["ignore_eos"] = True
-        body.update(req.options)  # MoDr's recurrence / exit: a chorus worker serving a MoDr model checks them
-        if self.remote.api == "chat":
-            if req.messages is None:
-                raise InvalidRequest(f"{self.name} is served over a chat-only API: use /v1/chat/completions.",
-                                     param="prompt")
-            return "/chat/completions", {**body, "messages": req.messages}
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        return "/completions", {**body, "prompt": req.prompt_ids}
+    def _body(self, request: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
+        return request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
+                            api=self.remote.api)
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        path, body = self._request(request, stream=False)
-        return self._generation(await self._post(path, body), len(request.prompt_ids))
+        path, body = self._body(request, stream=False)
+        return generation_from(await self._post(path, body), len(request.prompt_ids))
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One non-streamed call under the replicas' base URL (``/completions``, ...)."""
@@ -373,17 +291,8 @@ class RemoteEngine:
             finally:
                 replica.outstanding -= 1
 
-    def _generation(self, data: dict[str, Any], prompt_tokens: int) -> Generation:
-        choices = []
-        for c in data.get("choices", []):
-            text = c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
-            choices.append(Choice(int(c.get("index", 0)), text, [], c.get("finish_reason") or "stop", None))
-        usage = data.get("usage") or {}
-        return Generation(choices, int(usage.get("prompt_tokens", prompt_tokens)),
-                          int(usage.get("completion_tokens", 0)))
-
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        path, body = self._request(request, stream=True)
+        path, body = self._body(request, stream=True)
         tried: set[str] = set()
         while True:
             replica = self.pool.pick(tried)
@@ -393,8 +302,8 @@ class RemoteEngine:
             try:
                 async with self.client.post(replica.url + path, json=body) as resp:
                     if resp.status != 200:
-                        raise _error_from(resp.status, await resp.text(errors="replace"), replica.url)
-                    async for delta in self._deltas(resp):
+                        raise error_from(resp.status, await resp.text(errors="replace"), replica.url)
+                    async for delta in deltas_from(resp.content, self.name):
                         sent = True
                         yield delta
                 replica.served += 1
@@ -405,21 +314,3 @@ class RemoteEngine:
                     raise EngineFailed(f"{self.name}: replica {replica.url} failed mid-stream: {exc}") from exc
             finally:
                 replica.outstanding -= 1
-
-    async def _deltas(self, resp: aiohttp.ClientResponse) -> AsyncIterator[Delta]:
-        async for raw in resp.content:  # one line at a time
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                return
-            event = json.loads(payload)
-            if "error" in event:
-                raise EngineFailed(f"{self.name}: upstream error: {event['error'].get('message', event['error'])}")
-            for c in event.get("choices") or []:
-                text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content") or ""
-                finish = c.get("finish_reason")
-                if text or finish:
-                    # one streamed chunk per token, as vLLM and chorus send them: the count is exact there
-                    yield Delta(int(c.get("index", 0)), text, [-1] if text else [], [], finish)

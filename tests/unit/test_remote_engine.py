@@ -12,7 +12,8 @@ import pytest
 from chorus.config import ChorusConfig
 from chorus.engines.base import GenerationRequest, SamplingParams
 from chorus.engines.fake import CharTokenizer, FakeEngine
-from chorus.engines.remote import RemoteEngine, ReplicaPool, Retryable, _error_from
+from chorus.engines.remote import RemoteEngine
+from chorus.engines.replicas import ReplicaPool, Retryable, error_from
 from chorus.engines.spec import ModelSpec
 from chorus.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
 from chorus.server.app import create_app
@@ -101,4 +102,4 @@ def test_pool_prefers_the_least_outstanding_and_cools_failures_down() -> None:
 @pytest.mark.parametrize(("status", "kind"), [(400, InvalidRequest), (422, InvalidRequest), (429, RateLimited),
                                               (500, Retryable), (503, Retryable), (401, EngineFailed)])
 def test_error_mapping(status: int, kind: type) -> None:
-    assert isinstance(_error_from(status, '{"error": {"message": "m"}}', "http://x"), kind)
+    assert isinstance(error_from(status, '{"error": {"message": "m"}}', "http://x"), kind)

@@ -1,0 +1,76 @@
+"""Replicas of one remote model: pick the least busy healthy one, take a failing one out for a while.
+
+`ReplicaPool` picks, for each request, the healthy replica with the fewest requests outstanding; a
+replica that fails (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``. Upstream
+HTTP errors map into chorus's error tree here (`error_from`); a `Retryable` one lets the caller try
+the next replica as long as nothing has reached the client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from chorus.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
+
+log = logging.getLogger("chorus.remote")
+
+
+class Retryable(Exception):
+    """A replica failed before anything reached the client: another replica may answer."""
+
+
+@dataclass
+class Replica:
+    url: str
+    outstanding: int = 0
+    down_until: float = 0.0
+    failures: int = 0
+    served: int = 0
+    last_error: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], cooldown_s: float) -> None:
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.cooldown_s = cooldown_s
+
+    def pick(self, tried: set[str]) -> Replica:
+        candidates = [r for r in self.replicas if r.url not in tried and r.healthy]
+        if not candidates:
+            down = [f"{r.url} ({r.last_error or 'cooling down'})" for r in self.replicas]
+            raise EngineUnavailable(f"No healthy replica left: {'; '.join(down)}.")
+        return min(candidates, key=lambda r: (r.outstanding, r.served))
+
+    def failed(self, replica: Replica, why: str) -> None:
+        replica.failures += 1
+        replica.last_error = why
+        replica.down_until = time.monotonic() + self.cooldown_s
+        log.warning("replica %s out for %.0fs: %s", replica.url, self.cooldown_s, why)
+
+    def stats(self) -> dict[str, int]:
+        return {"replicas": len(self.replicas), "replicas_healthy": sum(r.healthy for r in self.replicas),
+                "outstanding": sum(r.outstanding for r in self.replicas)}
+
+
+def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
+    """An upstream HTTP error -> chorus's error tree, or `Retryable` (5xx: another replica may answer)."""
+    try:
+        err = json.loads(body).get("error") or {}
+        msg = err.get("message") if isinstance(err, dict) else str(err)
+    except (json.JSONDecodeError, AttributeError):
+        msg = body[:300]
+    msg = msg or f"HTTP {status}"
+    if status >= 500:
+        return Retryable(f"{url}: HTTP {status}: {msg}")
+    if status == 429:
+        return RateLimited(f"upstream rate limit: {msg}", retry_after=1.0)
+    if status in (400, 413, 422):
+        return InvalidRequest(f"upstream refused the request: {msg}")
+    return EngineFailed(f"{url}: HTTP {status}: {msg}")  # 401/403/404: the gateway's config is wrong
