@@ -19,6 +19,7 @@ from chorus.engines.base import (
     TEXT,
     Choice,
     Delta,
+    Engine,
     Generation,
     GenerationRequest,
     SamplingParams,
@@ -48,6 +49,29 @@ def check_context(prompt_len: int, params: SamplingParams, max_model_len: int) -
             param="messages" if params.max_tokens is None else "max_tokens",
         )
     return wanted
+
+
+def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict[str, Any]] | None = None,
+                  text: str | None = None, ids: list[int] | None = None, label: str = "the prompt",
+                  options: dict[str, Any] | None = None, trace: dict[str, Any] | None = None) -> GenerationRequest:
+    """The one place a prompt becomes an engine's request: chat messages through the engine's chat
+    template (with the template's stop strings), text through its tokenizer, token ids checked against
+    its vocabulary; then prompt + ``max_tokens`` against its context window. ``label`` names the prompt in
+    errors (``prompt 2`` of a batch)."""
+    tok = engine.tokenizer
+    extra_stop: tuple[str, ...] = ()
+    if messages is not None:
+        ids, extra_stop = tok.encode_chat(messages), tok.chat_stop
+    elif text is not None:
+        ids = tok.encode(text)
+    elif ids is None:
+        raise InvalidRequest("The prompt is empty.", param="prompt")
+    elif any(t < 0 or t >= tok.vocab_size for t in ids):
+        raise InvalidRequest(f"{label} holds token ids outside the vocabulary (0..{tok.vocab_size - 1}).",
+                             param="prompt")
+    check_context(len(ids), params, engine.max_model_len)
+    return GenerationRequest(list(ids), params, extra_stop=extra_stop, messages=messages, options=options or {},
+                             trace=trace)
 
 
 class SessionEngine:

@@ -25,9 +25,9 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
-from chorus.engines.generation import check_context, collect
+from chorus.engines.generation import collect, encode_prompt
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
-from chorus.ensembles.spec import EnsembleSpec, MemberSpec
+from chorus.ensembles.spec import EnsembleSpec, MemberSpec, NamedEnsemble
 from chorus.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
 
 T = TypeVar("T")
@@ -178,20 +178,13 @@ class Call:
 
         ``persona=False``: the caller already put the member's system prompt into ``messages``.
         """
-        tok = member.engine.tokenizer
-        chat: list[dict[str, Any]] | None = None
-        if messages is None and self.prompt.text is not None:
-            ids, extra_stop = tok.encode(self.prompt.text), ()
-        else:
-            msgs = messages if messages is not None else self.prompt.as_messages()
-            chat = member.persona(msgs) if persona else msgs
-            ids = tok.encode_chat(chat)
-            extra_stop = tok.chat_stop
         own = {k: v for k, v in (("temperature", member.spec.temperature), ("top_p", member.spec.top_p),
                                  ("seed", member.spec.seed)) if v is not None}
         params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})
-        check_context(len(ids), params, member.engine.max_model_len)
-        return GenerationRequest(ids, params, extra_stop=extra_stop, messages=chat)
+        if messages is None and self.prompt.text is not None:
+            return encode_prompt(member.engine, params, text=self.prompt.text)
+        msgs = messages if messages is not None else self.prompt.as_messages()
+        return encode_prompt(member.engine, params, messages=member.persona(msgs) if persona else msgs)
 
     def record(self, member: Member, prompt_tokens: int, completion_tokens: int) -> None:
         self.usage.add(prompt_tokens, completion_tokens)
@@ -268,6 +261,14 @@ async def gather(*aws: Awaitable[T]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What a request of a strategy may cost beyond one call per member: the server's limits check it."""
+
+    rounds: int = 0  #: exchange rounds after the first answers (exchange_of_thought)
+    candidates: int = 0  #: answers to score (crowd_vote: given, or sampled from the members)
+
+
 class Strategy:
     """Base class of every strategy; subclasses set the class attributes and implement `stream`.
 
@@ -299,6 +300,10 @@ class Strategy:
     def check(self) -> None:
         """Strategy-specific validation (raise `InvalidRequest`); called once when the ensemble is built."""
 
+    def budget(self) -> Budget:
+        """The request's cost beyond one call per member (none by default)."""
+        return Budget()
+
     async def warm(self) -> None:
         """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""
 
@@ -328,6 +333,11 @@ class Ensemble:
     @property
     def on_member_error(self) -> str:
         return self.spec.on_member_error or self.strategy.default_on_member_error
+
+    @property
+    def description(self) -> str | None:
+        """A named ensemble's description from the config (None for one given in a request body)."""
+        return self.spec.description if isinstance(self.spec, NamedEnsemble) else None
 
     @property
     def model_for_defaults(self) -> Engine | None:

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Strategy, gather
+from chorus.ensembles.base import Budget, Call, Strategy, gather
 from chorus.ensembles.similarity import METRICS, crowd_scores, similarity
 
 Metric = Literal["embedding_cosine", "word_rouge_l", "char_rouge_l"]
@@ -63,6 +63,11 @@ class CrowdVote(Strategy):
     @classmethod
     def member_minimum(cls, params: CrowdVoteParams) -> int:
         return 0 if params.candidates is not None else 2  # external candidates need no member
+
+    def budget(self) -> Budget:
+        p = self.params
+        return Budget(candidates=len(p.candidates) if p.candidates is not None
+                      else p.samples_per_member * len(self.members))
 
     def precheck(self, call: Call) -> None:
         if self.params.candidates is None:

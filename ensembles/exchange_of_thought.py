@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.clients.answers import compile_pattern, extract_answer
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Member, Strategy, gather, replace_question
+from chorus.ensembles.base import Budget, Call, Member, Strategy, gather, replace_question
 from chorus.errors import InvalidRequest
 
 TOPOLOGIES = ("memory", "report", "relay", "debate")
@@ -75,6 +75,9 @@ class EoTParams(BaseModel):
 
 class ExchangeOfThought(Strategy):
     Params = EoTParams
+
+    def budget(self) -> Budget:
+        return Budget(rounds=self.params.max_rounds)
 
     def check(self) -> None:
         n = len(self.members)

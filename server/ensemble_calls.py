@@ -1,7 +1,7 @@
-"""Requests answered by an ensemble: resolve it (named, or from the body), run it, format the result.
+"""Requests answered by an ensemble: resolve it (named, or from the body), admit it, run it.
 
-The strategy's work is its own (ensembles/); this module only turns a request into a `Call` and the
-`Call`'s deltas, usage and trace into OpenAI JSON or SSE. ``usage`` sums every member call; with
+The strategy's work is its own (ensembles/); this module turns a request into a `Call` and hands the
+call to the response tail single models use too (``replies.py``). ``usage`` sums every member call; with
 ``"trace": true`` the response carries an ``ensemble`` object (streams: on a last chunk with no choices).
 """
 
@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.responses import Response
 
-from chorus.engines.base import Delta
+from chorus.config import Limits
 from chorus.ensembles.base import Call, Ensemble, Prompt
 from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import InvalidRequest
 from chorus.server import protocol as P
-from chorus.server.accounting import first_token, served_by, settle
-from chorus.server.events import chat_events, completion_events, first_and_rest
-from chorus.server.streaming import sse_response, until_disconnect
+from chorus.server.accounting import served_by
+from chorus.server.replies import Work, chat_reply, completion_reply
 
 
 def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:
@@ -50,24 +48,15 @@ def start_call(ensemble: Ensemble, req: P.ChatCompletionRequest | P.CompletionRe
     return ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
 
 
-def trailer(ensemble: Ensemble, call: Call) -> dict[str, Any]:
-    return {"ensemble": call.final_trace()} if ensemble.spec.trace else {}
-
-
-async def deltas_for(request: Request, ensemble: Ensemble, call: Call) -> AsyncIterator[Delta]:
-    """The strategy's stream. Token-level strategies produce their first token before the first byte is
-    sent (so their errors are HTTP errors); text-level ones start the SSE stream at once (pings keep it
-    open while members work) and report a failure as the final error event."""
-    stream = ensemble.stream(call)
-    if ensemble.strategy.token_level:
-        first = await until_disconnect(request, first_and_rest(stream))
-        first_token(request, request.state.model)
-        return first
-    return stream
-
-
-def usage_of(call: Call) -> Callable[[int], dict[str, int]]:
-    return lambda _completion: P.usage(call.usage.prompt_tokens, call.usage.completion_tokens)
+def work_of(ensemble: Ensemble, call: Call) -> Work:
+    """The call as the response tail's work. ``usage`` sums every member call; token-level strategies
+    produce their first token before the first byte is sent (so their errors are HTTP errors), text-level
+    ones start the SSE stream at once (pings keep it open while members work) and report a failure as the
+    final error event. With ``"trace": true`` the response carries an ``ensemble`` object."""
+    return Work([lambda: ensemble.run(call)], [lambda: ensemble.stream(call)],
+                usage=lambda _completion: P.usage(call.usage.prompt_tokens, call.usage.completion_tokens),
+                trailer=lambda: {"ensemble": call.final_trace()} if ensemble.spec.trace else {},
+                prefetch=ensemble.strategy.token_level)
 
 
 def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
@@ -80,55 +69,33 @@ def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
     check_limits(request.app.state.config.server.limits, ensemble)
 
 
-def check_limits(limits: Any, ensemble: Ensemble) -> None:
+def check_limits(limits: Limits, ensemble: Ensemble) -> None:
     members = len(ensemble.strategy.members)
     if members > limits.max_members:
         raise InvalidRequest(f"At most {limits.max_members} ensemble members on this server (got {members}).",
                              param="ensemble.members")
-    p = ensemble.strategy.params
-    rounds = getattr(p, "max_rounds", None)
-    if rounds is not None and rounds > limits.max_rounds:
+    budget = ensemble.strategy.budget()
+    if budget.rounds > limits.max_rounds:
         raise InvalidRequest(f"'max_rounds' must be at most {limits.max_rounds} on this server.",
                              param="ensemble.max_rounds")
-    given = len(getattr(p, "candidates", None) or [])
-    sampled = getattr(p, "samples_per_member", 0) * members if getattr(p, "candidates", None) is None else 0
-    if max(given, sampled) > limits.max_candidates:
+    if budget.candidates > limits.max_candidates:
         raise InvalidRequest(f"At most {limits.max_candidates} crowd_vote candidates on this server "
-                             f"(got {max(given, sampled)}).", param="ensemble.candidates")
+                             f"(got {budget.candidates}).", param="ensemble.candidates")
 
 
-async def chat(request: Request, req: P.ChatCompletionRequest, ensemble: Ensemble) -> Any:
+async def chat(request: Request, req: P.ChatCompletionRequest, ensemble: Ensemble) -> Response:
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
-    head = P.ResponseHead("chatcmpl", req.model, fingerprint(ensemble))
-    if not req.stream:
-        gen = await until_disconnect(request, ensemble.run(call))
-        body = {**P.chat_response(head, gen), **trailer(ensemble, call)}
-        settle(request, request.state.model, body["usage"])
-        return body
-    deltas = await deltas_for(request, ensemble, call)
-    return sse_response(chat_events(head, deltas, req, usage_of(call), lambda: trailer(ensemble, call),
-                                    settle=lambda u: settle(request, request.state.model, u)), request)
+    return await chat_reply(request, req, P.ResponseHead("chatcmpl", req.model, fingerprint(ensemble)),
+                            work_of(ensemble, call))
 
 
-async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensemble) -> Any:
+async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensemble) -> Response:
     prompts = req.prompts()
     if len(prompts) != 1 or not isinstance(prompts[0], str):
         raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
                              param="prompt")
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(text=prompts[0]))
-    head = P.ResponseHead("cmpl", req.model, fingerprint(ensemble))
-    echo = prompts[0] if req.echo else ""
-    if not req.stream:
-        gen = await until_disconnect(request, ensemble.run(call))
-        choices = [P.completion_choice(c.index, echo + c.text, c.finish_reason,
-                                       P.completion_logprobs(c.logprobs, len(echo)) if c.logprobs is not None else None)
-                   for c in gen.choices]
-        body = {**P.completion_response(head, choices, gen.prompt_tokens, gen.completion_tokens),
-                **trailer(ensemble, call)}
-        settle(request, request.state.model, body["usage"])
-        return body
-    deltas = await deltas_for(request, ensemble, call)
-    return sse_response(completion_events(head, [deltas], [echo], req, usage_of(call), lambda: trailer(ensemble, call),
-                                          settle=lambda u: settle(request, request.state.model, u)), request)
+    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(ensemble)),
+                                  work_of(ensemble, call), [prompts[0] if req.echo else ""])

@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from chorus.server import protocol as P
 from chorus.server.errors import error_response
-from chorus.server.routes import chat_completions, completions, json_response
+from chorus.server.replies import json_response
+from chorus.server.routes import chat_completions, completions
 
 
 class FastPath:

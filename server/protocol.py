@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chorus.engines.base import Choice, Delta, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from chorus.engines.base import Choice, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
 
 
@@ -110,16 +111,18 @@ class ChatCompletionRequest(_Sampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
-    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._params(max_tokens, self.logprobs, self.top_logprobs or 0, defaults or {})
+    @property
+    def completion_limit(self) -> int | None:
+        """The completion's token limit (``max_completion_tokens``, else the older ``max_tokens``)."""
+        return self.max_completion_tokens or self.max_tokens
 
-    def to_generation_request(self, prompt_ids: list[int], extra_stop: tuple[str, ...] = (),
-                              defaults: dict[str, float] | None = None,
-                              messages: list[dict[str, Any]] | None = None) -> GenerationRequest:
-        return GenerationRequest(prompt_ids, self.sampling_params(defaults), extra_stop=extra_stop,
-                                 messages=messages if messages is not None else self.message_dicts(),
-                                 options=self.family_options, trace={} if self.trace else None)
+    def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
+        return self._params(self.completion_limit, self.logprobs, self.top_logprobs or 0, defaults or {})
+
+    def to_generation_request(self, engine: Engine) -> GenerationRequest:
+        """This request for one engine: its chat template, its sampling defaults, the context checked."""
+        return encode_prompt(engine, self.sampling_params(engine.sampling_defaults), messages=self.message_dicts(),
+                             options=self.family_options, trace={} if self.trace else None)
 
 
 class CompletionRequest(_Sampling):
@@ -150,12 +153,19 @@ class CompletionRequest(_Sampling):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, defaults or {})
 
-    def to_generation_request(self, prompt_ids: list[int], defaults: dict[str, float] | None = None) -> GenerationRequest:
-        return GenerationRequest(prompt_ids, self.sampling_params(defaults), options=self.family_options,
-                                 trace={} if self.trace else None)
+    def to_generation_requests(self, engine: Engine) -> list[GenerationRequest]:
+        """One engine request per prompt (raw continuation: no chat template), each context-checked."""
+        return [encode_prompt(engine, self.sampling_params(engine.sampling_defaults), label=f"prompt {i}",
+                              options=self.family_options, trace={} if self.trace else None,
+                              **({"text": p} if isinstance(p, str) else {"ids": p}))
+                for i, p in enumerate(self.prompts())]
 
 
 # ---- responses ----

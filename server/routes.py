@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic_core import to_json
 
-from chorus.engines.base import Engine
-from chorus.engines.generation import check_context
+from chorus.engines.base import Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
 from chorus.errors import InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls
 from chorus.server import protocol as P
-from chorus.server.accounting import first_token, served_by, settle
-from chorus.server.events import chat_events, completion_events, first_and_rest
-from chorus.server.streaming import sse_response, until_disconnect
+from chorus.server.accounting import served_by
+from chorus.server.replies import Work, chat_reply, completion_reply
 
 router = APIRouter()
 
@@ -44,25 +42,19 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
     if name in ensembles(request):
         e = ensembles(request)[name]
         card["ensemble"] = {"strategy": e.spec.strategy, "members": [m.label for m in e.strategy.members],
-                            "description": getattr(e.spec, "description", None)}
+                            "description": e.description}
     return card
 
 
-def apply_limits(request: Request, req: P._Sampling) -> None:
+def apply_limits(request: Request, req: P.ChatCompletionRequest | P.CompletionRequest) -> None:
     limits = request.app.state.config.server.limits
     if isinstance(req, P.ChatCompletionRequest) and len(req.messages) > limits.max_messages:
         raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.", param="messages")
     if req.n > limits.max_n:
         raise InvalidRequest(f"'n' must be at most {limits.max_n} on this server.", param="n")
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    max_tokens = req.completion_limit
     if limits.max_tokens is not None and max_tokens is not None and max_tokens > limits.max_tokens:
         raise InvalidRequest(f"'max_tokens' must be at most {limits.max_tokens} on this server.", param="max_tokens")
-
-
-def json_response(body: dict[str, Any]) -> Response:
-    """A finished response body as JSON bytes (pydantic-core's encoder): skips FastAPI's jsonable_encoder
-    walk and the stdlib json.dumps, a measurable share of a non-streamed request (chorus bench gateway)."""
-    return Response(to_json(body), media_type="application/json")
 
 
 def fingerprint(engine: Engine) -> str:
@@ -97,75 +89,38 @@ async def get_model(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
+async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble)
     engine = resolve(request, req.model)
     served_by(request, req.model, body=req)
-    messages = req.message_dicts()
-    ids = engine.tokenizer.encode_chat(messages)
-    gen_req = req.to_generation_request(ids, extra_stop=engine.tokenizer.chat_stop, defaults=engine.sampling_defaults,
-                                        messages=messages)
-    check_context(len(ids), gen_req.params, engine.max_model_len)
-    head = P.ResponseHead("chatcmpl", req.model, fingerprint(engine))
-    trailer = (lambda: {"trace": gen_req.trace}) if gen_req.trace is not None else None
-    if not req.stream:
-        gen = await until_disconnect(request, engine.generate(gen_req))
-        body = {**P.chat_response(head, gen), **(trailer() if trailer else {})}
-        settle(request, req.model, body["usage"])
-        return json_response(body)
-    deltas = await until_disconnect(request, first_and_rest(engine.stream(gen_req)))
-    first_token(request, req.model)
-    return sse_response(chat_events(head, deltas, req, lambda completion: P.usage(len(ids), completion),
-                                    trailer=trailer, settle=lambda u: settle(request, req.model, u)), request)
+    gen_req = req.to_generation_request(engine)
+    work = Work([lambda: engine.generate(gen_req)], [lambda: engine.stream(gen_req)],
+                usage=lambda completion: P.usage(len(gen_req.prompt_ids), completion), trailer=trace_of([gen_req]))
+    return await chat_reply(request, req, P.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work)
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(req: P.CompletionRequest, request: Request) -> Response | dict[str, Any]:
+async def completions(req: P.CompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
     engine = resolve(request, req.model)
     served_by(request, req.model, body=req)
-    prompts = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
-    vocab = engine.tokenizer.vocab_size
-    for i, ids in enumerate(prompts):
-        if any(t < 0 or t >= vocab for t in ids):
-            raise InvalidRequest(f"prompt {i} holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
-    gen_reqs = [req.to_generation_request(ids, defaults=engine.sampling_defaults) for ids in prompts]
-    for g in gen_reqs:
-        check_context(len(g.prompt_ids), g.params, engine.max_model_len)
-    head = P.ResponseHead("cmpl", req.model, fingerprint(engine))
-    echoes = [engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
-    # the trace of one prompt is an object; of several, a list in prompt order
-    trailer = None if not req.trace else (lambda: {"trace": gen_reqs[0].trace if len(gen_reqs) == 1
-                                                   else [g.trace for g in gen_reqs]})
-    if not req.stream:
-        gens = await until_disconnect(request, asyncio.gather(*(engine.generate(g) for g in gen_reqs)))
-        choices = []
-        for p, gen in enumerate(gens):
-            for c in gen.choices:
-                lps = P.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
-                choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
-        body = P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
-                                     sum(g.completion_tokens for g in gens))
-        body.update(trailer() if trailer else {})
-        settle(request, req.model, body["usage"])
-        return json_response(body)
-    opened = await until_disconnect(request, asyncio.gather(
-        *(first_and_rest(engine.stream(g)) for g in gen_reqs), return_exceptions=True))
-    streams = [s for s in opened if not isinstance(s, BaseException)]
-    failed = [s for s in opened if isinstance(s, BaseException)]
-    if failed:  # prompts are prefilled together; if one fails, close the others and report it
-        for s in streams:
-            await s.aclose()  # type: ignore[attr-defined]
-        raise failed[0]
-    prompt_tokens = sum(len(p) for p in prompts)
-    first_token(request, req.model)
-    return sse_response(completion_events(head, streams, echoes, req, lambda c: P.usage(prompt_tokens, c),
-                                          trailer=trailer, settle=lambda u: settle(request, req.model, u)), request)
+    gen_reqs = req.to_generation_requests(engine)
+    prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)
+    work = Work([functools.partial(engine.generate, g) for g in gen_reqs],
+                [functools.partial(engine.stream, g) for g in gen_reqs],
+                usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
+    echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
+    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes)
 
 
+def trace_of(gen_reqs: list[GenerationRequest]) -> Callable[[], dict[str, Any]]:
+    """The ``trace`` trailer (``"trace": true``): one prompt's is an object, several prompts' a list."""
+    if gen_reqs[0].trace is None:
+        return dict
+    return lambda: {"trace": gen_reqs[0].trace if len(gen_reqs) == 1 else [g.trace for g in gen_reqs]}

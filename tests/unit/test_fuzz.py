@@ -74,7 +74,7 @@ def test_chat_request_model_accepts_or_rejects_cleanly(body: dict[str, Any]) -> 
         req = ChatCompletionRequest.model_validate(body)
     except (ValidationError, InvalidRequest):
         return
-    p = req.to_generation_request([1, 2, 3]).params
+    p = req.sampling_params()
     assert 0 <= p.temperature <= 2 and 0 < p.top_p <= 1 and p.n >= 1 and p.top_k >= 0
     assert len(p.stop) <= 4 and (p.max_tokens is None or p.max_tokens >= 1)
 

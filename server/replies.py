@@ -1,0 +1,91 @@
+"""The response tail every completion shares, single model or ensemble: run or stream the work, then
+OpenAI JSON (usage, ``n`` choices, the trace trailer) or SSE chunks, with the key charged once.
+
+A route builds a `Work` (how to answer each prompt whole or as a stream, the prompt tokens, the trailer)
+and hands it to `chat_reply` or `completion_reply`. Streams are opened before the first byte: their
+first delta is pulled under the client's disconnect watch, so prefill and validation errors are HTTP
+errors; text-level ensembles (``prefetch=False``) start the SSE stream at once instead and report a
+failure as the final error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic_core import to_json
+from starlette.responses import Response
+
+from chorus.engines.base import Delta, Generation
+from chorus.server import protocol as P
+from chorus.server.accounting import first_token, settle
+from chorus.server.events import chat_events, completion_events, first_and_rest
+from chorus.server.streaming import sse_response, until_disconnect
+
+
+@dataclass
+class Work:
+    """What answers a request: per prompt, a whole generation or a stream of deltas."""
+
+    generate: list[Callable[[], Awaitable[Generation]]]
+    stream: list[Callable[[], AsyncIterator[Delta]]]
+    #: a stream's usage from the completion tokens it sent (an ensemble counts every member call instead)
+    usage: Callable[[int], dict[str, int]]
+    trailer: Callable[[], dict[str, Any]] = dict  #: extra top-level fields at the end (``trace``, ``ensemble``)
+    prefetch: bool = True  #: pull each stream's first delta before the first byte
+
+
+def json_response(body: dict[str, Any]) -> Response:
+    """A finished response body as JSON bytes (pydantic-core's encoder): skips FastAPI's jsonable_encoder
+    walk and the stdlib json.dumps, a measurable share of a non-streamed request (chorus bench gateway)."""
+    return Response(to_json(body), media_type="application/json")
+
+
+async def open_streams(request: Request, work: Work) -> list[AsyncIterator[Delta]]:
+    if not work.prefetch:
+        return [open_() for open_ in work.stream]
+    opened = await until_disconnect(request, asyncio.gather(
+        *(first_and_rest(open_()) for open_ in work.stream), return_exceptions=True))
+    streams = [s for s in opened if not isinstance(s, BaseException)]
+    failed = [s for s in opened if isinstance(s, BaseException)]
+    if failed:  # prompts are prefilled together; if one fails, close the others and report it
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]
+        raise failed[0]
+    first_token(request, request.state.model)
+    return streams
+
+
+async def chat_reply(request: Request, req: P.ChatCompletionRequest, head: P.ResponseHead, work: Work) -> Response:
+    model = request.state.model
+    if not req.stream:
+        gen = await until_disconnect(request, work.generate[0]())
+        body = {**P.chat_response(head, gen), **work.trailer()}
+        settle(request, model, body["usage"])
+        return json_response(body)
+    (deltas,) = await open_streams(request, work)
+    return sse_response(chat_events(head, deltas, req, work.usage, trailer=work.trailer,
+                                    settle=lambda u: settle(request, model, u)), request)
+
+
+async def completion_reply(request: Request, req: P.CompletionRequest, head: P.ResponseHead, work: Work,
+                           echoes: list[str]) -> Response:
+    """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i."""
+    model = request.state.model
+    if not req.stream:
+        gens = await until_disconnect(request, asyncio.gather(*(g() for g in work.generate)))
+        choices = []
+        for p, gen in enumerate(gens):
+            for c in gen.choices:
+                lps = P.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
+                choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
+        body = {**P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
+                                        sum(g.completion_tokens for g in gens)), **work.trailer()}
+        settle(request, model, body["usage"])
+        return json_response(body)
+    streams = await open_streams(request, work)
+    return sse_response(completion_events(head, streams, echoes, req, work.usage, trailer=work.trailer,
+                                          settle=lambda u: settle(request, model, u)), request)
