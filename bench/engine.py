@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from chorus.clients.local import free_port, wait_ready
+from chorus.engines.spec import ModelSpec
 
 PROMPT = "Write a long story about a dragon who learns to sing."
 
@@ -48,7 +49,7 @@ class Row:
 
 # ---- in-process ----
 
-def _in_process(spec, tokens: int, concurrency: int, rounds: int) -> list[Row]:  # type: ignore[no-untyped-def]
+def _in_process(spec: ModelSpec, tokens: int, concurrency: int, rounds: int) -> list[Row]:
     import torch
 
     from chorus.engines.base import GenerationRequest, SamplingParams
@@ -139,7 +140,7 @@ class Server:
     model: str
     extra: dict
     log: Path
-    proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -154,7 +155,7 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
         ready = []
         for srv in servers:
             try:
-                wait_ready(srv.url + "/v1/models", srv.proc)  # type: ignore[arg-type]
+                wait_ready(srv.url + "/v1/models", srv.proc)
                 _http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
                 ready.append(srv)
             except Exception as exc:

@@ -62,7 +62,8 @@ def _no_cache_rate(models: list[Any], ids: list[int], tokens: int) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for _ in range(tokens):
-            p = sum(torch.softmax(m(input_ids=seq, use_cache=False).logits[0, -1].float(), -1) for m in models)
+            p = torch.stack([torch.softmax(m(input_ids=seq, use_cache=False).logits[0, -1].float(), -1)
+                             for m in models]).sum(0)
             seq = torch.cat([seq, p.argmax().view(1, 1)], dim=1)
     return tokens / (time.perf_counter() - t0)
 

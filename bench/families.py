@@ -40,7 +40,7 @@ async def _decode_rate(engine: Any, tokens: int, streams: int, options: dict[str
     from chorus.engines.base import GenerationRequest, SamplingParams
 
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    traces = [{} if trace else None for _ in range(streams)]
+    traces: list[dict[str, Any] | None] = [{} if trace else None for _ in range(streams)]
     reqs = [GenerationRequest(ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
                               options=options or {}, trace=t) for t in traces]
     t0 = time.perf_counter()
@@ -103,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from chorus.config import load_config
+    from chorus.engines.families.moe import ExpertLoad
     from chorus.engines.transformers_engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
@@ -135,19 +136,21 @@ def main(args: argparse.Namespace) -> int:
         moe = TransformersEngine.load(config.model(args.moe))
         await dense.start()
         await moe.start()
-        rates: dict[tuple[str, int], float] = {}
+        decode: dict[tuple[str, int], float] = {}
         trace: dict[str, Any] = {}
         for _ in range(args.rounds):
             for name, eng in (("dense", dense), ("moe", moe)):
                 for streams in (1, args.concurrency):
                     rate, t = await _decode_rate(eng, args.tokens, streams, trace=name == "moe" and streams == 1)
-                    rates[(name, streams)] = max(rates.get((name, streams), 0.0), rate)
+                    decode[(name, streams)] = max(decode.get((name, streams), 0.0), rate)
                     trace = t or trace
-        print(f"\n### Upcycled MoE vs its dense base ({args.moe}: {moe.observer.experts} experts, top-"
-              f"{moe.observer.top_k}; {args.tokens} tokens per stream)\n")
+        load_obs = moe.observer
+        assert isinstance(load_obs, ExpertLoad), f"{args.moe} is not an MoE model"
+        print(f"\n### Upcycled MoE vs its dense base ({args.moe}: {load_obs.experts} experts, top-"
+              f"{load_obs.top_k}; {args.tokens} tokens per stream)\n")
         rows = []
         for streams in (1, args.concurrency):
-            d, m = rates[("dense", streams)], rates[("moe", streams)]
+            d, m = decode[("dense", streams)], decode[("moe", streams)]
             rows.append([streams, f"{d:.1f}", f"{m:.1f}", f"{m / d:.2f}x"])
         print(markdown_table(["streams", "dense tok/s", "MoE tok/s", "MoE / dense"], rows))
         load = trace.get("experts", {})
@@ -156,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nexpert load (one request, {counts.shape[0]} layers): mean share per expert "
               f"{', '.join(f'{x:.3f}' for x in share.tolist())}; balance (mean min/max per layer) "
               f"{load.get('balance', 0):.3f}; total since start-up per expert "
-              f"{moe.observer.totals.sum(0).tolist()}")
+              f"{load_obs.totals.sum(0).tolist()}")
         await dense.aclose()
         await moe.aclose()
 

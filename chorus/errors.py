@@ -120,7 +120,7 @@ class RateLimited(GatewayError):
     code = "rate_limit_exceeded"
 
     def __init__(self, message: str, *, retry_after: float = 1.0, **kw: str | None) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+        super().__init__(message, **kw)
         self.retry_after = retry_after
 
 

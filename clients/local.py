@@ -17,7 +17,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 600,  # type: ignore[type-arg]
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 600,
                interval: float = 0.5) -> None:
     """Poll ``url`` until it answers 200; `RuntimeError` if ``proc`` exits first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,7 @@ returning next-token logits from the session's own KV cache, and ``close()`` to 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -113,6 +113,8 @@ class Generation:
 class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
 
+    def __hash__(self) -> int: ...  # vocabularies are cached per tokenizer
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -166,7 +168,7 @@ class Engine(Protocol):
 
     async def generate(self, request: GenerationRequest) -> Generation: ...
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]: ...
 
     @property
     def active_sessions(self) -> int: ...

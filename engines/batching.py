@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from chorus.engines.families.kv_cache import GrowingCache, cache_from
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
@@ -88,7 +87,7 @@ class _Prefill:
     ids: list[int]
     future: asyncio.Future[torch.Tensor]
     done: int = 0
-    cache: DynamicCache = field(default_factory=GrowingCache)
+    cache: GrowingCache = field(default_factory=GrowingCache)
     logits: torch.Tensor | None = None
 
     @property
@@ -97,7 +96,7 @@ class _Prefill:
 
 
 class BatchRunner:
-    def __init__(self, model: torch.nn.Module, *, max_model_len: int, max_batch_size: int = 16,
+    def __init__(self, model: Any, *, max_model_len: int, max_batch_size: int = 16,
                  prefill_chunk: int = 512, gather_wait_s: float = 0.004, observer: FamilyObserver | None = None) -> None:
         self.model = model
         #: the model family's hooks around every forward (dense: none)
@@ -115,7 +114,7 @@ class BatchRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.sessions: set[BatchedSession] = set()
         self.rows: list[BatchedSession] = []
-        self.cache: DynamicCache | None = None
+        self.cache: GrowingCache | None = None
         self.mask: torch.Tensor | None = None  # (B, T) 1 = real token
         self.prefills: deque[_Prefill] = deque()
         self._wake = asyncio.Event()
@@ -260,7 +259,7 @@ class BatchRunner:
         n = len(job.sessions)
         new_t = job.cache.get_seq_length()
         new_mask = torch.ones(n, new_t, dtype=torch.long, device=self.device)
-        new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in job.cache.layers]
+        new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in job.cache.growing]
         if self.cache is None or self.mask is None or not self.rows:
             self.cache = cache_from([(k.contiguous(), v.contiguous()) for k, v in new_layers])
             self.mask = new_mask
@@ -268,9 +267,9 @@ class BatchRunner:
             old_t = self.mask.shape[1]
             t = max(old_t, new_t)
             merged = []
-            old_layers = list(self.cache.layers)
+            old_layers = list(self.cache.growing)
             if len(old_layers) != len(new_layers):  # MoDr: different numbers of recurrence-step slots
-                old_layers, grown = self.observer.match_caches(old_layers, list(job.cache.layers))
+                old_layers, grown = self.observer.match_caches(old_layers, list(job.cache.growing))
                 new_layers = [(l.keys.expand(n, -1, -1, -1), l.values.expand(n, -1, -1, -1)) for l in grown]
             for layer, (kn, vn) in zip(old_layers, new_layers):
                 merged.append((torch.cat([_lpad(layer.keys, t - old_t), _lpad(kn, t - new_t)], 0),
@@ -295,7 +294,7 @@ class BatchRunner:
         first = int((mask.sum(0) > 0).nonzero()[0])  # leading columns that are padding for every row
         self.mask = mask[:, first:]
         self.cache = cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
-                                  for l in self.cache.layers])
+                                  for l in self.cache.growing])
 
     def _reset_batch(self, err: Exception) -> None:
         for s in self.rows:
@@ -376,7 +375,7 @@ class BatchRunner:
             job.logits = res.logits[row, last.index(n - 1), :].float().cpu()
             # _cache_from copies each slice into a buffer of its own
             job.cache = cache_from([(l.keys[row : row + 1, :, :n], l.values[row : row + 1, :, :n])
-                                     for l in cache.layers])
+                                     for l in cache.growing])
             job.done = n
 
     def _attention_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor,
@@ -388,6 +387,7 @@ class BatchRunner:
             allowed = allowed & kv_valid[:, None, :]
         if not self._uses_sliding:
             return allowed[:, None]
+        assert self.sliding_window is not None  # _uses_sliding
         near = kv_pos[:, None, :] > q_pos[:, :, None] - self.sliding_window
         return {"full_attention": allowed[:, None], "sliding_attention": (allowed & near)[:, None]}
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from chorus.engines.generation import SessionEngine
+from chorus.engines.spec import ModelSpec
 from chorus.errors import ContextLengthExceeded, EngineFailed
 
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -120,6 +121,13 @@ class FakeSession:
 
 
 class FakeEngine(SessionEngine):
+    tokenizer: CharTokenizer
+
+    @classmethod
+    def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> FakeEngine:
+        """``engine: fake`` in a config (options under ``fake:``: script, delay, max_model_len, ...)."""
+        return cls(spec.name, sampling_defaults=spec.sampling_defaults.model_dump(exclude_none=True), **spec.fake)
+
     def __init__(self, name: str = "fake", *, script: str | None = None, delay: float = 0.0,
                  max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None,
                  sampling_defaults: dict[str, float] | None = None,

@@ -8,8 +8,8 @@ provide sessions and a tokenizer (the transformers engine, the fake engine).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import torch
 
@@ -81,7 +81,7 @@ class SessionEngine:
     tokenizer: Tokenizer
     max_model_len: int
     capabilities = frozenset({TEXT, STREAM, LOGITS})
-    sampling_defaults: ClassVar[dict[str, float]] = {}
+    sampling_defaults: dict[str, float] = {}  # noqa: RUF012 (each engine sets its own)
 
     def open_session(self) -> Session:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -119,7 +119,7 @@ class SessionEngine:
         return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices))
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
-                               options: dict[str, Any] | None = None) -> list[tuple[Session, torch.Tensor]]:
+                               options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
         """Open ``n`` sessions on one prompt; engines that can share one prefill override this."""
         opened: list[Session] = []
         try:
@@ -134,7 +134,7 @@ class SessionEngine:
                 session.close()
             raise
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         params = request.params
         max_tokens = check_context(len(request.prompt_ids), params, self.max_model_len)
         self.check_options(request.options)
@@ -187,7 +187,7 @@ class SessionEngine:
             session.close()
 
 
-async def collect(deltas: AsyncIterator[Delta], logprobs: bool) -> list[Choice]:
+async def collect(deltas: AsyncGenerator[Delta, None], logprobs: bool) -> list[Choice]:
     """Gather a stream of deltas into whole choices, by index."""
     parts: dict[int, list[Delta]] = {}
     async for delta in deltas:
@@ -211,7 +211,7 @@ def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int
 
 async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokenizer, params: SamplingParams,
                       max_tokens: int, index: int, generator: torch.Generator,
-                      extra_stop: tuple[str, ...] = ()) -> AsyncIterator[Delta]:
+                      extra_stop: tuple[str, ...] = ()) -> AsyncGenerator[Delta, None]:
     """Sample up to ``max_tokens`` tokens from a prefilled session, yielding text deltas.
 
     The last delta carries the finish reason: ``stop`` (EOS or a stop string) or ``length``.

@@ -7,7 +7,7 @@ Pure functions, no I/O: `RemoteEngine` (``remote.py``) sends what `request_body`
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable
 from typing import Any
 
 from chorus.engines.base import Choice, Delta, Generation, GenerationRequest
@@ -56,7 +56,7 @@ def generation_from(data: dict[str, Any], prompt_tokens: int) -> Generation:
                       int(usage.get("completion_tokens", 0)))
 
 
-async def deltas_from(lines: AsyncIterator[bytes], model: str) -> AsyncIterator[Delta]:
+async def deltas_from(lines: AsyncIterable[bytes], model: str) -> AsyncGenerator[Delta, None]:
     """An SSE stream of completion or chat chunks (one line per item) -> `Delta`s; an error event raises."""
     async for raw in lines:
         line = raw.decode("utf-8", "replace").strip()

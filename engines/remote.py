@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import aiohttp
 import torch
 
 from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Delta, Generation, GenerationRequest
+from chorus.engines.families.metric import Metric
 from chorus.engines.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.replicas import Replica, ReplicaPool, Retryable, error_from
 from chorus.engines.session_wire import decode_next
@@ -259,6 +260,9 @@ class RemoteEngine:
     def active_sessions(self) -> int:
         return len(self.sessions)
 
+    def family_metrics(self) -> list[Metric]:
+        return []  # a worker's own /metrics has its model family's counters
+
     def stats(self) -> dict[str, int]:
         return {"active_sessions": self.active_sessions, **self.pool.stats()}
 
@@ -291,7 +295,7 @@ class RemoteEngine:
             finally:
                 replica.outstanding -= 1
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         path, body = self._body(request, stream=True)
         tried: set[str] = set()
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ def observer_for(model: torch.nn.Module) -> FamilyObserver:
 
 
 class TransformersEngine(SessionEngine):
-    def __init__(self, spec: ModelSpec, model: torch.nn.Module, tokenizer: HFTokenizer) -> None:
+    def __init__(self, spec: ModelSpec, model: Any, tokenizer: HFTokenizer) -> None:
         self.name = spec.name
         self.spec = spec
         self.model = model
@@ -47,7 +48,7 @@ class TransformersEngine(SessionEngine):
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
 
     @classmethod
-    def load(cls, spec: ModelSpec) -> TransformersEngine:
+    def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> TransformersEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from chorus.engines.prepare import is_prepared
@@ -62,6 +63,8 @@ class TransformersEngine(SessionEngine):
         from chorus.engines.families.modr import is_modr_dir, load_modr
 
         t0 = time.perf_counter()
+        model: Any
+        tok_dir: Path | str
         if is_modr_dir(path):
             model = load_modr(path, DTYPES[spec.dtype], **spec.modr)
             tok_dir = model.cfg.base  # its base's tokenizer (the MoDr config.json is not a transformers config)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -207,7 +207,7 @@ class Call:
         return gen
 
     async def stream(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
-                     **overrides: Any) -> AsyncIterator[Delta]:
+                     **overrides: Any) -> AsyncGenerator[Delta, None]:
         """A member's output as it is made (for strategies that stream a member's answer, e.g. an aggregator)."""
         req = self.request(member, messages, persona=persona, **overrides)
         self.requests.append((member, req))
@@ -224,7 +224,7 @@ class Call:
             raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
                                param="ensemble.members") from exc
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             self.record(member, len(req.prompt_ids), completion)
 
     def member_failed(self, member: Member, exc: BaseException) -> None:
@@ -312,7 +312,7 @@ class Strategy:
         for m in self.members:
             call.request(m)
 
-    def stream(self, call: Call) -> AsyncIterator[Delta]:  # pragma: no cover - abstract
+    def stream(self, call: Call) -> AsyncGenerator[Delta, None]:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def models(self) -> list[str]:
@@ -378,7 +378,7 @@ class Ensemble:
         s.precheck(call)
         return call
 
-    def stream(self, call: Call) -> AsyncIterator[Delta]:
+    def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         ENSEMBLE_REQUESTS.labels(self.strategy.ensemble, self.spec.strategy).inc()
         return self.strategy.stream(call)
 

@@ -13,7 +13,7 @@ it escalated or stopped.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,7 +70,7 @@ class Cascade(Strategy):
             return float("-inf"), choices[0]
         return (sum(lps) / len(lps) if p.confidence == "mean_logprob" else min(lps)), choices[0]
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p: CascadeParams = self.params
         steps: list[dict[str, object]] = []
         call.trace.update({"confidence": p.confidence, "thresholds": self.thresholds, "steps": steps})

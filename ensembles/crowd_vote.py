@@ -9,7 +9,7 @@ similarity; ``weights`` mixes several (chorus's addition; the published method u
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Literal
 
 import numpy as np
@@ -53,7 +53,7 @@ class CrowdVoteParams(BaseModel):
 def vote(texts: list[str], mix: dict[str, float]) -> tuple[int, np.ndarray, dict[str, list[float]]]:
     """(winner, combined scores, per-metric scores). Blocking (embeddings): run it in a thread."""
     per_metric = {m: crowd_scores(similarity(m, texts)) for m in mix}
-    q = sum(w * per_metric[m] for m, w in mix.items())
+    q: np.ndarray = np.sum([w * per_metric[m] for m, w in mix.items()], axis=0)
     return int(np.argmax(q)), q, {m: s.tolist() for m, s in per_metric.items()}  # argmax: first of ties
 
 
@@ -73,7 +73,7 @@ class CrowdVote(Strategy):
         if self.params.candidates is None:
             super().precheck(call)
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p = self.params
         if p.candidates is not None:
             sources = [{"member": None, "text": t, "finish_reason": "stop"} for t in p.candidates]

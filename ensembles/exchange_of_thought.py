@@ -11,7 +11,7 @@ solution. Members of a round run concurrently.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -108,7 +108,7 @@ class ExchangeOfThought(Strategy):
                      + self.instruction())
         return "\n\n".join(parts)
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         question = call.prompt.question
         base = call.prompt.as_messages()
         rounds: list[dict[str, Any]] = []
@@ -120,7 +120,7 @@ class ExchangeOfThought(Strategy):
         text: dict[int, str] = {}
         finish: dict[int, str] = {}
         history: dict[int, list[str]] = {}
-        agents = []
+        agents: list[dict[str, Any]] = []
         for m, g in call.survivors(gens, self.members):
             active.append(m)
             text[m.index], finish[m.index] = g.choices[0].text, g.choices[0].finish_reason
@@ -133,7 +133,8 @@ class ExchangeOfThought(Strategy):
         else:
             reason = f"max_rounds ({self.params.max_rounds}) reached: majority of the last round"
             for r in range(1, self.params.max_rounds + 1):
-                prompts, agents = [], []
+                prompts: list[list[dict[str, Any]]] = []
+                agents = []
                 for m in active:
                     peers = [p for p in active if self.sees[m.index][p.index]]
                     conf = {p.label: confidence(history[p.index]) if r >= 2 else None for p in peers}
@@ -141,14 +142,14 @@ class ExchangeOfThought(Strategy):
                         question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers])))
                     agents.append({"member": m.label, "sees": [p.label for p in peers],
                                    "peer_confidence": {k: v for k, v in conf.items() if v is not None}})
-                gens = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
+                replies = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
                 kept = []
-                for m, g, a in zip(active, gens, agents):
-                    if g is None:
+                for m, reply, a in zip(active, replies, agents):
+                    if reply is None:
                         a["error"] = True
                         continue
                     kept.append(m)
-                    text[m.index], finish[m.index] = g.choices[0].text, g.choices[0].finish_reason
+                    text[m.index], finish[m.index] = reply.choices[0].text, reply.choices[0].finish_reason
                     history[m.index].append(self.answer_of(text[m.index]))
                     a.update(answer=history[m.index][-1], text=text[m.index])
                 active = [m for m, _ in call.survivors([m if m in kept else None for m in active], active)]

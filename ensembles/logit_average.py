@@ -14,7 +14,7 @@ different vocabularies).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Literal
 
 import torch
@@ -24,6 +24,7 @@ from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session
 from chorus.engines.generation import SessionEngine, check_context
 from chorus.ensembles.base import Call, Strategy
 from chorus.ensembles.stepping import normalised_weights, step_members
+from chorus.ensembles.topk_union import TopkUnion
 from chorus.errors import CapabilityMismatch, InvalidRequest
 
 SPACES = ("probability", "logit")
@@ -172,21 +173,19 @@ class LogitAverageStrategy(Strategy):
                 f"{', '.join(own)}). Use 'weights' to favour a member.", param="ensemble.members")
         self.engine(skip=False)
 
-    def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None) -> SessionEngine:
+    def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None) -> LogitAverage | TopkUnion:
         engines = [m.engine for m in self.members]
         labels = [m.label for m in self.members]
         p = self.params
         if p.align == "topk_union":
-            from chorus.ensembles.topk_union import TopkUnion
-
-            return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)  # type: ignore[return-value]
+            return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)
         return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)
 
     def precheck(self, call: Call) -> None:
         req = call.request(self.members[0])
         check_context(len(req.prompt_ids), req.params, min(m.engine.max_model_len for m in self.members))
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         dropped: list[str] = []
 
         def on_drop(label: str, error: str) -> None:
@@ -194,18 +193,17 @@ class LogitAverageStrategy(Strategy):
             call.trace.setdefault("errors", []).append({"member": label, "error": error})
 
         engine = self.engine(call.on_member_error == "skip", on_drop)
-        call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,  # type: ignore[attr-defined]
+        call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,
                            "align": self.params.align})
-        if self.params.align == "topk_union":
+        if isinstance(engine, TopkUnion):
             call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
                                   "distributions")
-        elif getattr(engine, "approximate", None):
-            call.trace["note"] = (f"approximate: {', '.join(engine.approximate)} served remotely give only their "
-                                  "top-k logprobs; other tokens count as probability 0 for them")
-        if self.params.align == "topk_union":
             reqs = [call.request(m) for m in self.members]
-            deltas = engine.stream_requests(reqs)  # type: ignore[attr-defined]
+            deltas = engine.stream_requests(reqs)
         else:
+            if engine.approximate:
+                call.trace["note"] = (f"approximate: {', '.join(engine.approximate)} served remotely give only their "
+                                      "top-k logprobs; other tokens count as probability 0 for them")
             reqs = [call.request(self.members[0])] * len(self.members)
             deltas = engine.stream(reqs[0])
         produced = 0
@@ -214,8 +212,8 @@ class LogitAverageStrategy(Strategy):
                 produced += len(d.token_ids)
                 yield d
         finally:
-            await deltas.aclose()  # type: ignore[attr-defined]
-            fed = getattr(engine, "fed", None)
+            await deltas.aclose()
+            fed = engine.fed if isinstance(engine, TopkUnion) else None
             for i, m in enumerate(self.members):
                 if m.label not in dropped:
                     call.record(m, len(reqs[i].prompt_ids), fed[i] if fed is not None else produced)

@@ -7,7 +7,7 @@ its system prompt and writes the final answer, which is streamed token by token.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,7 +59,7 @@ class MixtureOfAgents(Strategy):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "aggregator": {"label": self.aggregator.label, "model": self.aggregator.spec.model}}
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         messages = call.prompt.as_messages()
         layers: list[list[dict[str, Any]]] = []
         call.trace["layers"] = layers

@@ -20,7 +20,7 @@ import bisect
 import itertools
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,7 +158,7 @@ class Route(Strategy):
             return m, {"weights": w, "reason": "weighted random choice" + (f" (seed {seed})" if seed is not None else "")}
         if p.router == "cost":
             score = await self.score(call.prompt.question)
-            i = bisect.bisect_right(p.thresholds, score)
+            i = bisect.bisect_right(p.thresholds or [], score)  # set for a cost router (checked at build)
             return self.members[i], {"score": score, "thresholds": p.thresholds,
                                      "reason": f"difficulty score {score:.4f} -> member {i} (cheap to expensive)"}
         await self.warm()
@@ -178,7 +178,7 @@ class Route(Strategy):
         return next(m for m in self.members if m.label == best), {
             **info, "reason": f"{best} has the most similar examples among the {len(nearest)} nearest"}
 
-    async def stream(self, call: Call) -> AsyncIterator[Delta]:
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         seed = call.sampling({}).seed
         member, why = await self.choose(call, seed)
         ROUTE_DECISIONS.labels(self.ensemble, self.params.router, member.label).inc()

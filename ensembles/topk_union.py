@@ -13,7 +13,7 @@ trace says so. Penalties (presence / frequency) do not apply to union entries.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import torch
 
@@ -80,7 +80,7 @@ class TopkUnion:
             p += wi * torch.softmax(scores.float(), dim=-1)  # (U,)
         return strings, torch.log(p.clamp_min(1e-30))
 
-    async def stream_requests(self, reqs: list[GenerationRequest]) -> AsyncIterator[Delta]:
+    async def stream_requests(self, reqs: list[GenerationRequest]) -> AsyncGenerator[Delta, None]:
         """Generate from per-member requests (each in its member's own tokenisation); the first sets sampling."""
         lead = reqs[0].params
         steps = min(check_context(len(r.prompt_ids), r.params, m.max_model_len) for r, m in zip(reqs, self.members))
@@ -91,7 +91,7 @@ class TopkUnion:
                 yield d
 
     async def _choice(self, index: int, reqs: list[GenerationRequest], max_tokens: int, stops: tuple[str, ...],
-                      generator: torch.Generator) -> AsyncIterator[Delta]:
+                      generator: torch.Generator) -> AsyncGenerator[Delta, None]:
         params = reqs[0].params
         sessions: list[Session] = []
         try:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
+from chorus import __version__
 from chorus.config import ChorusConfig, Settings
 from chorus.engines.base import Engine
-from chorus.engines.spec import ModelSpec
+from chorus.engines.registry import build_engine
 from chorus.ensembles.base import Ensemble
 from chorus.server import errors
 from chorus.server.auth import KeyStore
@@ -25,27 +27,9 @@ from chorus.server.sessions import router as sessions_router
 
 log = logging.getLogger("chorus.server")
 
-__version__ = "0.1.0"
 
 
-def build_engine(spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> Engine:
-    """Engines by kind; imports stay lazy so a fake-only config never imports transformers."""
-    if spec.engine == "remote":
-        from chorus.engines.remote import RemoteEngine
-
-        return RemoteEngine.load(spec, models)
-    if spec.engine == "fake":
-        from chorus.engines.fake import FakeEngine
-
-        return FakeEngine(spec.name, sampling_defaults=spec.sampling_defaults.model_dump(exclude_none=True),
-                          **spec.fake)
-    from chorus.engines.transformers_engine import TransformersEngine
-
-    return TransformersEngine.load(spec)
-
-
-def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
-               engine_factory: Callable[[ModelSpec], Engine] = build_engine, api_keys: str | None = None) -> FastAPI:
+def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, api_keys: str | None = None) -> FastAPI:
     """Build the gateway. ``engines`` injects ready engines (tests); otherwise each model is loaded at start-up."""
 
     @asynccontextmanager
@@ -54,8 +38,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
         if engines is None:
             for spec in config.models:
                 t0 = time.perf_counter()
-                loaded[spec.name] = (build_engine(spec, {m.name: m for m in config.models})
-                                     if spec.engine == "remote" else engine_factory(spec))
+                loaded[spec.name] = build_engine(spec, {m.name: m for m in config.models})
                 log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
         for engine in loaded.values():
             await engine.start()
@@ -71,7 +54,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None,
             for engine in loaded.values():
                 await engine.aclose()
 
-    otel = None if config.server.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
+    otel: Any = None if config.server.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="chorus", version=__version__, lifespan=lifespan, telemetry=otel,
                   description="OpenAI-compatible gateway with ensemble and routing backends")
     app.state.config = config

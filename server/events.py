@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from chorus.engines.base import Delta
@@ -11,32 +11,32 @@ from chorus.errors import GatewayError
 from chorus.server import protocol as P
 
 
-async def first_and_rest(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+async def first_and_rest(stream: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
     """Pull the first delta now (prefill and validation happen before any byte is sent)."""
     try:
         first = await anext(stream)
     except StopAsyncIteration:
         first = None
     except BaseException:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         raise
 
-    async def rest() -> AsyncIterator[Delta]:
+    async def rest() -> AsyncGenerator[Delta, None]:
         try:
             if first is not None:
                 yield first
             async for d in stream:
                 yield d
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
     return rest()
 
 
-async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P.ChatCompletionRequest,
+async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None], req: P.ChatCompletionRequest,
                       usage: Callable[[int], dict[str, int]],
                       trailer: Callable[[], dict[str, Any]] | None = None,
-                      settle: Callable[[dict[str, int]], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+                      settle: Callable[[dict[str, int]], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
     """Chat chunks: the role, the deltas, then (if asked) usage and an ensemble's trace on a last chunk.
     ``settle`` gets the usage when the stream ends, however it ends (token accounting)."""
     usage_null = {"usage": None} if req.include_usage else {}
@@ -49,7 +49,7 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P
             if d.text or d.finish_reason or (req.logprobs and d.logprobs):
                 yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
     finally:
-        await deltas.aclose()  # type: ignore[attr-defined]  # frees the sessions now, not at GC
+        await deltas.aclose()  # frees the sessions now, not at GC
         if settle is not None:
             settle(usage(completion))
     last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
@@ -57,14 +57,14 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncIterator[Delta], req: P
         yield {**head.base("chat.completion.chunk"), "choices": [], **last}
 
 
-async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[Delta]], echoes: list[str],
+async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[Delta, None]], echoes: list[str],
                             req: P.CompletionRequest, usage: Callable[[int], dict[str, int]],
                             trailer: Callable[[], dict[str, Any]] | None = None,
-                            settle: Callable[[dict[str, int]], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+                            settle: Callable[[dict[str, int]], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
     """Text-completion chunks of several prompts' streams, interleaved as they come."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
-    async def pump(p: int, s: AsyncIterator[Delta]) -> None:
+    async def pump(p: int, s: AsyncGenerator[Delta, None]) -> None:
         try:
             async for d in s:
                 queue.put_nowait((p, d))
@@ -72,7 +72,7 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncIterator[De
         except GatewayError as exc:
             queue.put_nowait((p, exc))
         finally:
-            await s.aclose()  # type: ignore[attr-defined]
+            await s.aclose()
 
     tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
     usage_null = {"usage": None} if req.include_usage else {}

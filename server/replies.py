@@ -11,7 +11,7 @@ failure as the final error event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ class Work:
     """What answers a request: per prompt, a whole generation or a stream of deltas."""
 
     generate: list[Callable[[], Awaitable[Generation]]]
-    stream: list[Callable[[], AsyncIterator[Delta]]]
+    stream: list[Callable[[], AsyncGenerator[Delta, None]]]
     #: a stream's usage from the completion tokens it sent (an ensemble counts every member call instead)
     usage: Callable[[int], dict[str, int]]
     trailer: Callable[[], dict[str, Any]] = dict  #: extra top-level fields at the end (``trace``, ``ensemble``)
@@ -44,7 +44,7 @@ def json_response(body: dict[str, Any]) -> Response:
     return Response(to_json(body), media_type="application/json")
 
 
-async def open_streams(request: Request, work: Work) -> list[AsyncIterator[Delta]]:
+async def open_streams(request: Request, work: Work) -> list[AsyncGenerator[Delta, None]]:
     if not work.prefetch:
         return [open_() for open_ in work.stream]
     opened = await until_disconnect(request, asyncio.gather(
@@ -53,7 +53,7 @@ async def open_streams(request: Request, work: Work) -> list[AsyncIterator[Delta
     failed = [s for s in opened if isinstance(s, BaseException)]
     if failed:  # prompts are prefilled together; if one fails, close the others and report it
         for s in streams:
-            await s.aclose()  # type: ignore[attr-defined]
+            await s.aclose()
         raise failed[0]
     first_token(request, request.state.model)
     return streams

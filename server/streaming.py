@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse
@@ -28,7 +28,7 @@ def deadline_error(request: Request | None) -> DeadlineExceeded:
                             "for fewer tokens." if timeout else "The request ran past its deadline.")
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]], request: Request | None = None) -> EventSourceResponse:
+def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request | None = None) -> EventSourceResponse:
     """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``.
 
     An error raised after the first byte becomes one final ``data: {"error": ...}`` event (the
@@ -38,7 +38,7 @@ def sse_response(events: AsyncIterator[dict[str, Any]], request: Request | None 
 
     deadline = deadline_of(request)
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncGenerator[str, None]:
         try:
             while True:
                 try:

@@ -7,6 +7,8 @@ write and a buffer doubles when full. MoDr's per-step slots are `GrowingLayer`s 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
@@ -18,6 +20,9 @@ class GrowingLayer(DynamicLayer):
     `DynamicLayer` concatenates on every update, copying the whole cache each decode step; here an
     append writes in place and the buffer doubles when full.
     """
+
+    keys: torch.Tensor  # (B, H, T, D) views into the buffers, once initialized
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -31,29 +36,34 @@ class GrowingLayer(DynamicLayer):
         self._k[:, :, :t] = keys
         self._v[:, :, :t] = values
         self._t = t
-        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+        self._view()
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The filled part of the buffers, as ``keys`` / ``values`` (views: no copy)."""
+        k, v = self._k[:, :, : self._t], self._v[:, :, : self._t]
+        self.keys, self.values = k, v
+        return k, v
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self._adopt(key_states, value_states, room=64)
-            return self.keys, self.values
+            return self._view()
         t = self._t + key_states.shape[-2]
         if t > self._k.shape[2]:
-            self._adopt(self.keys, self.values, room=max(64, t))
+            self._adopt(*self._view(), room=max(64, t))
         self._k[:, :, self._t : t] = key_states
         self._v[:, :, self._t : t] = value_states
         self._t = t
-        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
-        return self.keys, self.values
+        return self._view()
 
     def overwrite_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace the last columns written (a slot shared by several recurrence steps of one forward)."""
         n = key_states.shape[-2]
         self._k[:, :, self._t - n : self._t] = key_states
         self._v[:, :, self._t - n : self._t] = value_states
-        return self.keys, self.values
+        return self._view()
 
 
 class GrowingCache(DynamicCache):
@@ -63,7 +73,16 @@ class GrowingCache(DynamicCache):
         if layers is None:
             Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
         else:
-            Cache.__init__(self, layers=layers)
+            Cache.__init__(self, layers=cast(list[Any], layers))
+
+    @property
+    def growing(self) -> list[GrowingLayer]:
+        """The layers, typed as what they are (transformers types them as any cache layer)."""
+        return cast(list[GrowingLayer], self.layers)
+
+    def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's filled keys and values."""
+        return [layer._view() for layer in self.growing]
 
 
 def cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:

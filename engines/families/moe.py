@@ -202,7 +202,7 @@ class ExpertLoad(FamilyObserver):
     too but never counted.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         cfg = model.config.get_text_config()
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 1))
         self.routers = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from chorus.engines.families.checkpoint import (
     MANIFEST,
@@ -23,7 +22,7 @@ from chorus.engines.families.modr.model import MoDrModel
 from chorus.errors import BuildError
 
 
-def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()

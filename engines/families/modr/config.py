@@ -50,7 +50,7 @@ class MoDrConfig:
         unknown = sorted(set(opts) - set(cls.__dataclass_fields__))
         if unknown:
             raise BuildError(f"unknown MoDr settings {unknown}; known: {', '.join(cls.__dataclass_fields__)}")
-        return cls(**ranges, **opts) if ranges else cls.retrofit(n_layers, **opts)
+        return cls(**ranges, **opts) if ranges else cls.retrofit(n_layers, **opts)  # type: ignore[arg-type]
 
     def check(self, n_layers: int) -> None:
         ranges = {"prelude": self.prelude, "core": self.core, "coda": self.coda}

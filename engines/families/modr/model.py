@@ -33,6 +33,14 @@ class Route:
 class BranchLoRA(nn.Module):
     """A frozen linear plus N LoRA branches (A: (N, r, in), B: (N, out, r), B starts at zero)."""
 
+    base: nn.Linear
+    # plain attributes, set through __dict__ (not submodules: no recursion through state_dict / .to())
+    route: Route
+    followers: list[BranchLoRA]
+    leader: BranchLoRA | None
+    shared: tuple[torch.Tensor, list[torch.Tensor]] | None  # (input, the followers' outputs) of the last call
+    fused: dict[int | str, Any]  # branch k -> (A^T, B^T); "w" -> the stacked frozen q/k/v weight
+
     def __init__(self, base: nn.Linear, branches: int, rank: int, alpha: float, route: Route) -> None:
         super().__init__()
         self.base = base
@@ -175,7 +183,11 @@ class MoDrOutput:
 class MoDrModel(nn.Module):
     """Prelude / recurrent core with routed LoRA branches / coda over a Llama-architecture base."""
 
-    def __init__(self, base: nn.Module, cfg: MoDrConfig) -> None:
+    base: Any  # the transformers model the layers come from (its embeddings, norm, head, rotary)
+    config: Any  # the base's transformers config
+    router_bias: torch.Tensor  # (N,) buffer: balancing bias, selection only
+
+    def __init__(self, base: Any, cfg: MoDrConfig) -> None:
         super().__init__()
         n = base.config.num_hidden_layers
         cfg.check(n)
@@ -214,7 +226,7 @@ class MoDrModel(nn.Module):
         self.use_branches = True
 
     # ---- parameters ----
-    def branch_parameters(self) -> dict[str, nn.Parameter]:
+    def branch_parameters(self) -> dict[str, torch.Tensor]:
         out = {"adapter.weight": self.adapter.weight, "router.weight": self.router.weight}
         for i, lora in enumerate(self.loras):
             out[f"lora.{i}.A"] = lora.A
@@ -267,6 +279,7 @@ class MoDrModel(nn.Module):
 
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, slots: list[int] | None, cache: _Slots | None,
              mask: torch.Tensor | None, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        layer: Any  # a transformers decoder layer
         for i, layer in enumerate(layers):
             if slots is not None:
                 layer.self_attn.layer_idx = slots[i]
@@ -328,7 +341,7 @@ class MoDrModel(nn.Module):
                 elif route_per_token:
                     branch, gate = self._route_tokens(h)
                 else:
-                    branch, gate, _ = self.route(h, valid)
+                    branch, gate, _scores = self.route(h, valid)
                 self._set_route(branch if self.use_branches else None, gate)
                 step_slot = t % share if share else t
                 core_slots = [slots.core_slot(step_slot, i) for i in range(len(self.core))] if slots else None
