@@ -178,3 +178,7 @@ class Engine(Protocol):
     def family_metrics(self) -> list[Metric]:
         """A model family's counters since start-up, for Prometheus (MoE expert load, MoDr branches)."""
         ...
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the ones before it (None for the first), top ``k`` alternatives."""
+        ...

@@ -336,6 +336,25 @@ class BatchRunner:
             self._prefill_group([job for job, _ in jobs])
         return out
 
+    async def score(self, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over ``ids`` with no cache kept, on the forward thread (between batched steps):
+        for positions 1.., the logprob of each token given the ones before it (L-1,), and the top ``k``
+        logprobs (L-1, k) with their token ids. Only these leave the thread, not (L, V) logits."""
+        self.start()
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, ids, k)
+
+    def _score(self, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.device)  # (1, L)
+            logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()  # (L-1, V)
+            lp = torch.log_softmax(logits, dim=-1)
+            del logits
+            target = torch.tensor(ids[1:], device=lp.device)
+            chosen = lp.gather(1, target[:, None])[:, 0]  # (L-1,)
+            top_v, top_i = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+            return chosen.cpu(), top_v.cpu(), top_i.cpu()
+
     def _observed(self, rows: list[BatchedSession | None], lens: list[int], width: int, **inputs: Any) -> Any:
         """One model forward, with the model family's observer before and after it (on this thread; the
         first session of a prefill stands for its n choices)."""

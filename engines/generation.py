@@ -110,6 +110,23 @@ class SessionEngine:
         """What the model family observed for these sessions (a request's ``trace``)."""
         return self.observer.trace(sessions)
 
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the tokens before it, with the top ``k`` alternatives (the
+        first token has none): log-likelihood scoring, ``/v1/completions`` with ``echo`` and ``logprobs``.
+        Generic and exact for any session engine (an ensemble's sessions give the mixture's logprobs): one
+        session stepped through the prompt. Engines with a whole-prompt forward override it."""
+        session = self.open_session()
+        try:
+            logits = await session.prefill(ids[:1])
+            out: list[TokenLogprob | None] = [None]
+            for i, token in enumerate(ids[1:], start=1):
+                out.append(token_logprob(self.tokenizer, logits, token, k))
+                if i < len(ids) - 1:
+                    logits = await session.step(token)
+            return out
+        finally:
+            session.close()
+
     def family_metrics(self) -> list[Metric]:
         """The model family's counters since start-up (Prometheus)."""
         return self.observer.metrics()

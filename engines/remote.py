@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Delta, Generation, GenerationRequest
+from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Delta, Generation, GenerationRequest, TokenLogprob
 from chorus.engines.families.metric import Metric
 from chorus.engines.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.replicas import Replica, ReplicaPool, Retryable, error_from
@@ -259,6 +259,10 @@ class RemoteEngine:
     @property
     def active_sessions(self) -> int:
         return len(self.sessions)
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        raise CapabilityMismatch(f"prompt logprobs (echo with logprobs) are not relayed from the remote model "
+                                 f"{self.name} yet.", param="echo")
 
     def family_metrics(self) -> list[Metric]:
         return []  # a worker's own /metrics has its model family's counters

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from chorus.engines.base import TokenLogprob, TopLogprob
 from chorus.engines.batching import BatchedSession, BatchRunner
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.generation import SessionEngine
@@ -46,6 +47,19 @@ class TransformersEngine(SessionEngine):
         self.observer = observer_for(model)
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """A plain or MoE model scores the whole prompt in one forward on the runner's thread; model
+        families with their own recurrence (MoDr) step a session through it (the generic way)."""
+        if not isinstance(self.observer, DenseObserver) or len(ids) < 2:
+            return await super().prompt_logprobs(ids, k)
+        chosen, top_v, top_i = await self.runner.score(ids, k)
+        decode = self.tokenizer.decode
+        out: list[TokenLogprob | None] = [None]
+        for pos, token in enumerate(ids[1:]):
+            out.append(TokenLogprob(decode([token]), token, float(chosen[pos]),
+                                    [TopLogprob(decode([int(i)]), float(v)) for i, v in zip(top_i[pos], top_v[pos])]))
+        return out
 
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> TransformersEngine:

@@ -95,6 +95,9 @@ async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensem
     if len(prompts) != 1 or not isinstance(prompts[0], str):
         raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
                              param="prompt")
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        raise InvalidRequest("Scoring the prompt ('echo' with 'logprobs' or 'max_tokens': 0) works on single "
+                             "models; ensembles do not score prompts yet.", param="echo")
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(text=prompts[0]))
     return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(ensemble)),

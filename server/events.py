@@ -60,8 +60,10 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None],
 async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[Delta, None]], echoes: list[str],
                             req: P.CompletionRequest, usage: Callable[[int], dict[str, int]],
                             trailer: Callable[[], dict[str, Any]] | None = None,
-                            settle: Callable[[dict[str, int]], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
-    """Text-completion chunks of several prompts' streams, interleaved as they come."""
+                            settle: Callable[[dict[str, int]], None] | None = None,
+                            scored: list[dict[str, Any]] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    """Text-completion chunks of several prompts' streams, interleaved as they come; an echo chunk first per
+    choice (with the prompt's token logprobs when ``scored``)."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
     async def pump(p: int, s: AsyncGenerator[Delta, None]) -> None:
@@ -81,7 +83,7 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[D
         for p, echo in enumerate(echoes):
             for i in range(req.n if echo else 0):
                 yield {**head.base("text_completion"), **usage_null,
-                       "choices": [P.completion_choice(p * req.n + i, echo, None, None)]}
+                       "choices": [P.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)]}
         while done < len(tasks):
             p, item = await queue.get()
             if item is None:

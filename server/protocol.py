@@ -127,7 +127,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -138,6 +138,9 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("'suffix' (fill-in-the-middle) is not supported.", param="suffix")
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidRequest("'prompt' must not be empty.", param="prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("'max_tokens' 0 generates nothing: it needs 'echo': true (score the prompt).",
+                                 param="max_tokens")
         return self
 
     @property
@@ -193,6 +196,24 @@ def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict
         pos += len(lp.token)
     return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def prompt_logprobs(tokens: list[str], lps: list[TokenLogprob | None]) -> dict[str, Any]:
+    """The echoed prompt's logprobs as vLLM returns them: every prompt token, ``null`` for the first."""
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob if lp is not None else None for lp in lps],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} if lp is not None else None for lp in lps],
+            "text_offset": offsets}
+
+
+def joined_logprobs(prompt: dict[str, Any] | None, completion: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An echoed prompt's logprobs followed by the completion's (offsets already continue the echo)."""
+    if prompt is None or completion is None:
+        return completion if prompt is None else prompt
+    return {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 class ResponseHead:

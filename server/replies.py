@@ -72,8 +72,9 @@ async def chat_reply(request: Request, req: P.ChatCompletionRequest, head: P.Res
 
 
 async def completion_reply(request: Request, req: P.CompletionRequest, head: P.ResponseHead, work: Work,
-                           echoes: list[str]) -> Response:
-    """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i."""
+                           echoes: list[str], scored: list[dict[str, Any]] | None = None) -> Response:
+    """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i.
+    ``scored[p]``: prompt p's token logprobs (``echo`` with ``logprobs``), before the completion's."""
     model = request.state.model
     if not req.stream:
         gens = await until_disconnect(request, asyncio.gather(*(g() for g in work.generate)))
@@ -81,6 +82,7 @@ async def completion_reply(request: Request, req: P.CompletionRequest, head: P.R
         for p, gen in enumerate(gens):
             for c in gen.choices:
                 lps = P.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
+                lps = P.joined_logprobs(scored[p] if scored else None, lps)
                 choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
         body = {**P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                         sum(g.completion_tokens for g in gens)), **work.trailer()}
@@ -88,4 +90,4 @@ async def completion_reply(request: Request, req: P.CompletionRequest, head: P.R
         return json_response(body)
     streams = await open_streams(request, work)
     return sse_response(completion_events(head, streams, echoes, req, work.usage, trailer=work.trailer,
-                                          settle=lambda u: settle(request, model, u)), request)
+                                          settle=lambda u: settle(request, model, u), scored=scored), request)

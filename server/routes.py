@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import Engine, GenerationRequest
+from chorus.engines.base import Choice, Delta, Engine, Generation, GenerationRequest, TokenLogprob
 from chorus.ensembles.base import Ensemble
 from chorus.errors import InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls
 from chorus.server import protocol as P
 from chorus.server.accounting import served_by
 from chorus.server.replies import Work, chat_reply, completion_reply
+from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
 
@@ -112,11 +114,35 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     served_by(request, req.model, body=req)
     gen_reqs = req.to_generation_requests(engine)
     prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)
-    work = Work([functools.partial(engine.generate, g) for g in gen_reqs],
-                [functools.partial(engine.stream, g) for g in gen_reqs],
-                usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
+    if req.max_tokens == 0:  # echo only: the prompt is scored, nothing is generated
+        work = Work([functools.partial(nothing, g, req.n) for g in gen_reqs],
+                    [functools.partial(nothing_streamed, req.n) for _ in gen_reqs],
+                    usage=lambda completion: P.usage(prompt_tokens, completion))
+    else:
+        work = Work([functools.partial(engine.generate, g) for g in gen_reqs],
+                    [functools.partial(engine.stream, g) for g in gen_reqs],
+                    usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
     echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
-    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes)
+    scored = None
+    if req.echo and req.logprobs is not None:  # log-likelihood scoring: every prompt token's logprob
+        k = req.logprobs
+        lps = await until_disconnect(request, asyncio.gather(*(engine.prompt_logprobs(g.prompt_ids, k)
+                                                               for g in gen_reqs)))
+        scored = [P.prompt_logprobs([engine.tokenizer.decode([t]) for t in g.prompt_ids], lp)
+                  for g, lp in zip(gen_reqs, lps)]
+    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes,
+                                  scored)
+
+
+async def nothing(gen_req: GenerationRequest, n: int) -> Generation:
+    """``max_tokens: 0``: n empty choices (the echo is the answer)."""
+    lps: list[TokenLogprob] | None = [] if gen_req.params.logprobs else None
+    return Generation([Choice(i, "", [], "length", lps) for i in range(n)], len(gen_req.prompt_ids), 0)
+
+
+async def nothing_streamed(n: int) -> AsyncGenerator[Delta, None]:
+    for i in range(n):
+        yield Delta(i, "", [], [], "length")
 
 
 def trace_of(gen_reqs: list[GenerationRequest]) -> Callable[[], dict[str, Any]]:

@@ -148,3 +148,19 @@ async def test_gemma_sliding_window_with_chunked_prefill_equals_full_forward(def
         await assert_session_matches_full_forward(engine, ids, 3, atol=1e-3)
     finally:
         await engine.aclose()
+
+
+async def test_prompt_scoring_in_one_forward_equals_stepping_a_session(smol_engine: TransformersEngine) -> None:
+    """``echo`` + ``logprobs`` scoring: the whole-prompt forward on the runner's thread gives the same
+    logprobs (1e-4) and top tokens as the KV-cached session stepped token by token."""
+    from chorus.engines.generation import SessionEngine
+
+    ids = smol_engine.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
+    fast = await smol_engine.prompt_logprobs(ids, 3)
+    slow = await SessionEngine.prompt_logprobs(smol_engine, ids, 3)
+    assert fast[0] is None and slow[0] is None and len(fast) == len(slow) == len(ids)
+    for a, b in zip(fast[1:], slow[1:]):
+        assert a is not None and b is not None
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert [t.token for t in a.top][:1] == [t.token for t in b.top][:1]
+    assert smol_engine.active_sessions == 0
