@@ -24,7 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams
+from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
 from chorus.engines.generation import collect, encode_prompt
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
 from chorus.ensembles.spec import EnsembleSpec, MemberSpec, NamedEnsemble
@@ -303,6 +303,12 @@ class Strategy:
     def budget(self) -> Budget:
         """The request's cost beyond one call per member (none by default)."""
         return Budget()
+
+    async def prompt_logprobs(self, call: Call, k: int) -> tuple[list[str], list[TokenLogprob | None]]:
+        """The prompt's tokens and each one's logprob under the ensemble given the ones before it (None for
+        the first): ``echo`` + ``logprobs`` scoring. Only a distribution over one vocabulary can score."""
+        raise InvalidRequest(f"The '{self.name}' strategy cannot score a prompt ('echo' with 'logprobs' or "
+                             "'max_tokens': 0); logit_average over one vocabulary can.", param="echo")
 
     async def warm(self) -> None:
         """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session
+from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, check_context
 from chorus.ensembles.base import Call, Strategy
 from chorus.ensembles.stepping import normalised_weights, step_members
@@ -180,6 +180,18 @@ class LogitAverageStrategy(Strategy):
         if p.align == "topk_union":
             return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)
         return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)
+
+    async def prompt_logprobs(self, call: Call, k: int) -> tuple[list[str], list[TokenLogprob | None]]:
+        """The mixture's logprob of each prompt token (shared vocabulary: every member steps the same ids)."""
+        if self.params.align == "topk_union":
+            return await super().prompt_logprobs(call, k)
+        req = call.request(self.members[0])
+        engine = self.engine(skip=False)
+        assert isinstance(engine, LogitAverage)
+        lps = await engine.prompt_logprobs(req.prompt_ids, k)
+        for m in self.members:
+            call.record(m, len(req.prompt_ids), 0)
+        return [engine.tokenizer.decode([t]) for t in req.prompt_ids], lps
 
     def precheck(self, call: Call) -> None:
         req = call.request(self.members[0])

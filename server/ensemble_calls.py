@@ -7,6 +7,7 @@ call to the response tail single models use too (``replies.py``). ``usage`` sums
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -20,7 +21,8 @@ from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import InvalidRequest
 from chorus.server import protocol as P
 from chorus.server.accounting import served_by
-from chorus.server.replies import Work, chat_reply, completion_reply
+from chorus.server.replies import Work, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.streaming import until_disconnect
 
 
 def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:
@@ -95,10 +97,17 @@ async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensem
     if len(prompts) != 1 or not isinstance(prompts[0], str):
         raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
                              param="prompt")
-    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
-        raise InvalidRequest("Scoring the prompt ('echo' with 'logprobs' or 'max_tokens': 0) works on single "
-                             "models; ensembles do not score prompts yet.", param="echo")
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(text=prompts[0]))
+    work, scored = work_of(ensemble, call), None
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):  # score the prompt under the ensemble
+        tokens, lps = await until_disconnect(request, ensemble.strategy.prompt_logprobs(call, req.logprobs or 0))
+        if req.logprobs is not None:
+            scored = [P.prompt_logprobs(tokens, lps)]
+        if req.max_tokens == 0:
+            first = call.request(ensemble.strategy.members[0])
+            work = Work([functools.partial(nothing, first, req.n, call.usage.prompt_tokens)],
+                        [functools.partial(nothing_streamed, req.n)],
+                        usage=work.usage, trailer=work.trailer)
     return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(ensemble)),
-                                  work_of(ensemble, call), [prompts[0] if req.echo else ""])
+                                  work, [prompts[0] if req.echo else ""], scored)

@@ -19,7 +19,7 @@ from fastapi import Request
 from pydantic_core import to_json
 from starlette.responses import Response
 
-from chorus.engines.base import Delta, Generation
+from chorus.engines.base import Choice, Delta, Generation, GenerationRequest, TokenLogprob
 from chorus.server import protocol as P
 from chorus.server.accounting import first_token, settle
 from chorus.server.events import chat_events, completion_events, first_and_rest
@@ -91,3 +91,15 @@ async def completion_reply(request: Request, req: P.CompletionRequest, head: P.R
     streams = await open_streams(request, work)
     return sse_response(completion_events(head, streams, echoes, req, work.usage, trailer=work.trailer,
                                           settle=lambda u: settle(request, model, u), scored=scored), request)
+
+
+async def nothing(gen_req: GenerationRequest, n: int, prompt_tokens: int | None = None) -> Generation:
+    """``max_tokens: 0``: n empty choices (the echo is the answer); an ensemble counts every member's prompt."""
+    lps: list[TokenLogprob] | None = [] if gen_req.params.logprobs else None
+    used = len(gen_req.prompt_ids) if prompt_tokens is None else prompt_tokens
+    return Generation([Choice(i, "", [], "length", lps) for i in range(n)], used, 0)
+
+
+async def nothing_streamed(n: int) -> AsyncGenerator[Delta, None]:
+    for i in range(n):
+        yield Delta(i, "", [], [], "length")

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import Choice, Delta, Engine, Generation, GenerationRequest, TokenLogprob
+from chorus.engines.base import Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
 from chorus.errors import InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls
 from chorus.server import protocol as P
 from chorus.server.accounting import served_by
-from chorus.server.replies import Work, chat_reply, completion_reply
+from chorus.server.replies import Work, chat_reply, completion_reply, nothing, nothing_streamed
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -132,17 +132,6 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
                   for g, lp in zip(gen_reqs, lps)]
     return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes,
                                   scored)
-
-
-async def nothing(gen_req: GenerationRequest, n: int) -> Generation:
-    """``max_tokens: 0``: n empty choices (the echo is the answer)."""
-    lps: list[TokenLogprob] | None = [] if gen_req.params.logprobs else None
-    return Generation([Choice(i, "", [], "length", lps) for i in range(n)], len(gen_req.prompt_ids), 0)
-
-
-async def nothing_streamed(n: int) -> AsyncGenerator[Delta, None]:
-    for i in range(n):
-        yield Delta(i, "", [], [], "length")
 
 
 def trace_of(gen_reqs: list[GenerationRequest]) -> Callable[[], dict[str, Any]]:

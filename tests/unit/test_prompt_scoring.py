@@ -78,8 +78,22 @@ def test_the_openai_sdk_scores_a_prompt(client: openai.OpenAI) -> None:
     assert len(lp.top_logprobs[1]) == 2
 
 
-def test_ensembles_refuse_prompt_scoring_for_now(server: LiveServer) -> None:
-    body = {"model": "fake", "prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 0,
-            "ensemble": {"strategy": "logit_average", "members": ["fake", "fake"]}}
+def test_a_shared_vocabulary_ensemble_scores_with_its_mixture(server: LiveServer) -> None:
+    """Two identical members: the mixture is the member, so the scores are the single model's."""
+    one = {"model": "fake", "prompt": "abcab", "echo": True, "logprobs": 2, "max_tokens": 0}
+    single = httpx.post(server.url + "/v1/completions", json=one).json()["choices"][0]["logprobs"]
+    both = {**one, "ensemble": {"strategy": "logit_average", "members": ["fake", "fake"], "trace": True}}
+    r = httpx.post(server.url + "/v1/completions", json=both)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    lp = got["choices"][0]["logprobs"]
+    assert lp["tokens"] == single["tokens"] and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(single["token_logprobs"][1:], abs=1e-5)
+    assert got["usage"]["prompt_tokens"] == 10 and got["usage"]["completion_tokens"] == 0  # both members scored
+
+
+def test_other_strategies_refuse_prompt_scoring(server: LiveServer) -> None:
+    body = {"model": "fake", "prompt": "ab", "echo": True, "max_tokens": 0,
+            "ensemble": {"strategy": "crowd_vote", "members": ["fake", "fake"]}}
     r = httpx.post(server.url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
