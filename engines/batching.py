@@ -340,8 +340,8 @@ class BatchRunner:
         """One forward over ``ids`` with no cache kept, on the forward thread (between batched steps):
         for positions 1.., the logprob of each token given the ones before it (L-1,), and the top ``k``
         logprobs (L-1, k) with their token ids. Only these leave the thread, not (L, V) logits."""
-        self.start()
-        assert self._executor is not None
+        if self._executor is None:  # never started, or stopped: scoring must not bring the runner back
+            raise EngineUnavailable("engine is not running")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, ids, k)
 
     def _score(self, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

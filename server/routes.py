@@ -114,14 +114,12 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     served_by(request, req.model, body=req)
     gen_reqs = req.to_generation_requests(engine)
     prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)
-    if req.max_tokens == 0:  # echo only: the prompt is scored, nothing is generated
-        work = Work([functools.partial(nothing, g, req.n) for g in gen_reqs],
-                    [functools.partial(nothing_streamed, req.n) for _ in gen_reqs],
-                    usage=lambda completion: P.usage(prompt_tokens, completion))
-    else:
-        work = Work([functools.partial(engine.generate, g) for g in gen_reqs],
-                    [functools.partial(engine.stream, g) for g in gen_reqs],
-                    usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
+    echo_only = req.max_tokens == 0  # the prompt is scored, nothing is generated
+    work = Work([functools.partial(nothing, g, req.n) if echo_only else functools.partial(engine.generate, g)
+                 for g in gen_reqs],
+                [functools.partial(nothing_streamed, req.n) if echo_only else functools.partial(engine.stream, g)
+                 for g in gen_reqs],
+                usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
     echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
     scored = None
     if req.echo and req.logprobs is not None:  # log-likelihood scoring: every prompt token's logprob

@@ -80,10 +80,6 @@ class GrowingCache(DynamicCache):
         """The layers, typed as what they are (transformers types them as any cache layer)."""
         return cast(list[GrowingLayer], self.layers)
 
-    def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's filled keys and values."""
-        return [layer._view() for layer in self.growing]
-
 
 def cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:
     """A cache holding copies of the given (keys, values) per layer, each in a buffer with room to grow."""
