@@ -29,6 +29,7 @@ class Limits(BaseModel):
     max_n: int = Field(default=16, ge=1)
     max_tokens: int | None = Field(default=None, ge=1, description="cap on max_tokens per request")
     max_messages: int = Field(default=512, ge=1, description="messages per chat request")
+    max_choices: int = Field(default=32, ge=1, description="choices per /v1/choices request")
     max_members: int = Field(default=16, ge=2, description="members per ensemble")
     max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
     max_candidates: int = Field(default=64, ge=1, description="crowd_vote candidates (given or sampled)")

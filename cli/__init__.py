@@ -49,6 +49,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                     "chorus.bench.route_calibrate:main", "chorus.bench.route_calibrate:add_arguments"),
     ("bench", "engine"): Command("decode throughput: chorus engine vs model.generate()",
                                  "chorus.bench.engine:main", "chorus.bench.engine:add_arguments"),
+    ("bench", "choices"): Command("multiple-choice scoring: shared prefix vs a whole forward per choice",
+                                  "chorus.bench.choices:main", "chorus.bench.choices:add_arguments"),
     ("bench", "ensembles"): Command("ensemble overheads: logit averaging, ROUGE-L scoring, concurrency",
                                     "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
     ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",

@@ -9,7 +9,7 @@ from chorus.cli.serve import config_of
 
 
 def prepare_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("names", nargs="*", help="models to prepare (default: all in the config)")
+    p.add_argument("names", nargs="*", help="models to prepare (default: every model not marked optional)")
     p.add_argument("--force", action="store_true", help="rebuild even when prepared")
 
 
@@ -18,7 +18,7 @@ def prepare(args: argparse.Namespace) -> int:
     from chorus.errors import GatewayError
 
     config = config_of(args)
-    names = args.names or [m.name for m in config.models]
+    names = args.names or [m.name for m in config.models if not m.optional]
     known = {m.name for m in config.models}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -45,7 +45,7 @@ def list_models(args: argparse.Namespace) -> int:
         if m.engine == "fake":
             state = "built-in"
         elif m.needs_prepare:
-            state = "prepared" if is_prepared(d) else "not prepared"
+            state = "prepared" if is_prepared(d) else "optional" if m.optional else "not prepared"
         else:
             state = "local" if (d / "config.json").is_file() else "missing"
         print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {d if m.engine != 'fake' else '-'}")

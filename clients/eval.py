@@ -2,7 +2,8 @@
 
 Data: JSONL, one object per line with ``question`` and (optionally) ``answer``; a GSM8K-style answer
 ("... #### 72") is reduced to what follows ``####``. A ``route`` field names the member that should
-answer (for routing strategies: the table then shows how often the router chose it). Each system (``--model NAME`` or ``--ensemble JSON``, any number of
+answer (for routing strategies: the table then shows how often the router chose it). Multiple-choice
+data (``choices`` and ``label``) is scored through ``/v1/choices`` instead (``eval_choices.py``). Each system (``--model NAME`` or ``--ensemble JSON``, any number of
 each) answers every question through ``/v1/chat/completions``; the answer is extracted from the reply
 the way Exchange-of-Thought does ("the answer is X"; ``--answer choice`` for option letters), and the
 table shows accuracy, tokens, member calls and latency per system. Without ``--url`` a ``chorus serve``
@@ -25,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from chorus.clients import eval_choices
 from chorus.clients.answers import extract_answer
 from chorus.clients.local import free_port, markdown_table, wait_ready
 
@@ -172,6 +174,14 @@ def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def _run(args: argparse.Namespace) -> str:
+    if eval_choices.is_multiple_choice(Path(args.data)):
+        proc, url = (None, args.url) if args.url else start_server(args.config)
+        try:
+            return await eval_choices.evaluate(args, url, {"Authorization": f"Bearer {args.api_key}"})
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
     data = load_data(Path(args.data), args.limit)
     if not data:
         raise SystemExit(f"chorus eval: no questions in {args.data}")
@@ -203,7 +213,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="JSONL with 'question' and 'answer' per line (GSM8K works as is)")
+    p.add_argument("--data", required=True, help="JSONL with 'question' and 'answer' per line (GSM8K works as is), "
+                   "or multiple choice: 'choices' and 'label' (PIQA, ARC, HellaSwag as in the shared data)")
     p.add_argument("--model", action="append", help="a served model or named ensemble (repeatable)")
     p.add_argument("--ensemble", action="append", help='an ensemble as JSON, e.g. \'{"strategy": "crowd_vote", '
                                                       '"members": ["a", "b"], "label": "vote"}\' (repeatable)')
@@ -216,3 +227,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running server's /v1 URL (default: start one for the run)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    eval_choices.add_arguments(p)

@@ -182,3 +182,8 @@ class Engine(Protocol):
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """Each prompt token's logprob given the ones before it (None for the first), top ``k`` alternatives."""
         ...
+
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """For each continuation, the logprob of each of its tokens after ``prefix`` and the tokens before it
+        (multiple-choice scoring, ``engines/scoring.py``)."""
+        ...

@@ -355,6 +355,48 @@ class BatchRunner:
             top_v, top_i = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
             return chosen.cpu(), top_v.cpu(), top_i.cpu()
 
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """Multiple-choice scoring in one forward on the forward thread, between batched steps: the prefix and
+        every continuation packed into one sequence, each continuation attending to the prefix and to
+        itself only (a tree mask; its positions restart after the prefix), logits only where a choice
+        token is predicted. The prefix is read once and there is no padding and no cache to copy."""
+        if self._executor is None:
+            raise EngineUnavailable("engine is not running")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._score_continuations, prefix, continuations)
+
+    def _score_continuations(self, prefix: list[int], conts: list[list[int]]) -> list[list[float]]:
+        n = len(prefix)
+        ids, pos, seg = list(prefix), list(range(n)), [-1] * n  # segment -1: the prefix, seen by every choice
+        keep = [n - 1]  # sequence positions whose logits are needed: the prefix's last predicts every first token
+        rows: list[list[int]] = []  # per choice: for each of its tokens, the row of `keep` that predicts it
+        for i, c in enumerate(conts):
+            rows.append([0])
+            for j, token in enumerate(c[:-1]):
+                ids.append(token)
+                pos.append(n + j)
+                seg.append(i)
+                keep.append(len(ids) - 1)
+                rows[-1].append(len(keep) - 1)
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.device)
+            p = torch.tensor([pos], device=self.device)
+            s = torch.tensor(seg, device=self.device)
+            visible = (s[None, :] == -1) | (s[None, :] == s[:, None])  # (L, L): query row sees key column
+            mask = self._attention_mask(p, p, allowed=visible[None])
+            logits = self.model(input_ids=x, position_ids=p, attention_mask=mask, use_cache=False,
+                                logits_to_keep=torch.tensor(keep, device=self.device)).logits[0].float()  # (K, V)
+            lp = torch.log_softmax(logits, dim=-1)
+            del logits
+            flat_rows = torch.tensor([r for per in rows for r in per], device=self.device)
+            flat_tokens = torch.tensor([t for c in conts for t in c], device=self.device)
+            chosen = lp[flat_rows, flat_tokens].cpu().tolist()
+        out, at = [], 0
+        for c in conts:
+            out.append(chosen[at : at + len(c)])
+            at += len(c)
+        return out
+
     def _observed(self, rows: list[BatchedSession | None], lens: list[int], width: int, **inputs: Any) -> Any:
         """One model forward, with the model family's observer before and after it (on this thread; the
         first session of a prefill stands for its n choices)."""
@@ -397,11 +439,13 @@ class BatchRunner:
                                      for l in cache.growing])
             job.done = n
 
-    def _attention_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-                        kv_valid: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _attention_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, kv_valid: torch.Tensor | None = None,
+                        allowed: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """4-D boolean masks from real positions: a query at position q sees real keys at positions <= q
-        (and > q - window on Gemma-style sliding layers). q_pos: (B, Lq); kv_pos, kv_valid: (B, Lk)."""
-        allowed = kv_pos[:, None, :] <= q_pos[:, :, None]  # (B, Lq, Lk)
+        (and > q - window on Gemma-style sliding layers). q_pos: (B, Lq); kv_pos, kv_valid: (B, Lk);
+        ``allowed`` (B, Lq, Lk): which keys a query may see at all (multiple-choice scoring's tree)."""
+        causal = kv_pos[:, None, :] <= q_pos[:, :, None]  # (B, Lq, Lk)
+        allowed = causal if allowed is None else causal & allowed
         if kv_valid is not None:
             allowed = allowed & kv_valid[:, None, :]
         if not self._uses_sliding:

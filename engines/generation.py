@@ -32,6 +32,7 @@ from chorus.engines.detokenize import TextAssembler
 from chorus.engines.families.metric import Metric
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.sampling import logprob_info, make_generator, sample
+from chorus.engines.scoring import by_prompt_logprobs
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 
 
@@ -126,6 +127,10 @@ class SessionEngine:
             return out
         finally:
             session.close()
+
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """Generic: each ``prefix + continuation`` scored whole; engines that can share the prefix override it."""
+        return await by_prompt_logprobs(self, prefix, continuations)
 
     def family_metrics(self) -> list[Metric]:
         """The model family's counters since start-up (Prometheus)."""

@@ -37,6 +37,11 @@ def is_prepared(d: Path) -> bool:
     return bool(files) and all((d / n).is_file() and (d / n).stat().st_size == s for n, s in files.items())
 
 
+def is_ready(spec: ModelSpec, home: Path | None = None) -> bool:
+    """The model can be loaded without preparing it first."""
+    return not spec.needs_prepare or is_prepared(spec.prepared_dir(home))
+
+
 def prepare_model(spec: ModelSpec, home: Path | None = None, *, force: bool = False,
                   log: Callable[[str], None] = print, models: dict[str, ModelSpec] | None = None) -> Path:
     """Convert ``spec`` into a servable checkpoint; ``models`` resolves a derived model's base by name."""
@@ -75,7 +80,7 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
 
     t0 = time.perf_counter()
     log(f"{spec.name}: [1/4] locating GGUF ({spec.source or spec.path})")
-    gguf = resolve_gguf(spec.source, spec.path, home)
+    gguf = resolve_gguf(spec, home)
     log(f"{spec.name}: [2/4] loading and dequantizing {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

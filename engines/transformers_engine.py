@@ -61,6 +61,13 @@ class TransformersEngine(SessionEngine):
                                     [TopLogprob(decode([int(i)]), float(v)) for i, v in zip(top_i[pos], top_v[pos])]))
         return out
 
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """A plain or MoE model prefills ``prefix`` once and scores every continuation from that cache in one
+        batched forward; other families score each ``prefix + continuation`` whole."""
+        if not isinstance(self.observer, DenseObserver) or not all(continuations):
+            return await super().score_continuations(prefix, continuations)
+        return await self.runner.score_continuations(prefix, continuations)
+
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> TransformersEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -26,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
 from chorus.engines.generation import collect, encode_prompt
+from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion, average
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
-from chorus.ensembles.spec import EnsembleSpec, MemberSpec, NamedEnsemble
+from chorus.ensembles.spec import EnsembleSpec, MemberSpec, NamedEnsemble, member_weights
 from chorus.errors import CapabilityMismatch, GatewayError, InvalidRequest, MemberFailed
 
 T = TypeVar("T")
@@ -310,6 +311,29 @@ class Strategy:
         raise InvalidRequest(f"The '{self.name}' strategy cannot score a prompt ('echo' with 'logprobs' or "
                              "'max_tokens': 0); logit_average over one vocabulary can.", param="echo")
 
+    async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
+        """Multiple-choice scoring (``/v1/choices``): every member scores the choices with its own tokenizer
+        and the members' distributions over the choices are averaged (``probabilities``), with the
+        strategy's ``weights`` where it has them. Token-level combination is logit_average's (``tokens``)."""
+        if combine not in (None, "probabilities"):
+            raise InvalidRequest(f"combine {combine!r} is not available for the '{self.name}' strategy: members "
+                                 "combine by averaging their probabilities over the choices ('probabilities'); "
+                                 "'tokens' needs logit_average over one vocabulary.", param="combine")
+        weights = member_weights(getattr(self.params, "weights", None), len(self.members))
+
+        async def one(m: Member) -> ChoiceAnswer:
+            msgs = m.persona(question.messages) if question.messages is not None else None
+            scores = await question.score(m.engine, msgs)
+            call.record(m, scores.tokens_scored, 0)
+            return ChoiceAnswer.of(scores, question.normalisations)
+
+        answers = await gather(*(one(m) for m in self.members))
+        probabilities = average(answers, weights)
+        trace = {"combine": "probabilities", "weights": weights,
+                 "scores": [{"member": m.label, "logprobs": a.logprobs, "tokens": a.tokens,
+                              "probabilities": a.probabilities} for m, a in zip(self.members, answers)]}
+        return ChoiceAnswer(probabilities, trace=trace)
+
     async def warm(self) -> None:
         """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""
 
@@ -383,6 +407,18 @@ class Ensemble:
         call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe())
         s.precheck(call)
         return call
+
+    def scoring_call(self, prompt: Prompt) -> Call:
+        """A call that scores choices after ``prompt``: nothing is sampled or generated."""
+        s = self.strategy
+        return Call(s.members, prompt, lambda _defaults: SamplingParams(), self.on_member_error,
+                    ensemble=s.ensemble, trace=s.describe())
+
+    async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
+        ENSEMBLE_REQUESTS.labels(self.strategy.ensemble, self.spec.strategy).inc()
+        answer = await self.strategy.score_choices(call, question, combine)
+        answer.trace = {**call.final_trace(), **answer.trace}
+        return answer
 
     def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         ENSEMBLE_REQUESTS.labels(self.strategy.ensemble, self.spec.strategy).inc()

@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, check_context
-from chorus.ensembles.base import Call, Strategy
+from chorus.engines.scoring import mixture_logprob
+from chorus.ensembles.base import Call, Strategy, gather
+from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.stepping import normalised_weights, step_members
 from chorus.ensembles.topk_union import TopkUnion
 from chorus.errors import CapabilityMismatch, InvalidRequest
@@ -142,6 +144,16 @@ class LogitAverage(SessionEngine):
     def active_sessions(self) -> int:
         return len(self._open)
 
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """Probability space: each member scores the continuations its own (fastest) way and each token's
+        mixture logprob is ``log sum_i w_i p_i(token)``, which needs only the members' logprobs of that
+        token. Logit space needs whole distributions: the generic way, stepping averaged sessions."""
+        if self.space == "logit":
+            return await super().score_continuations(prefix, continuations)
+        weights = self.weights.tolist()
+        scored = await gather(*(m.score_continuations(prefix, continuations) for m in self.members))
+        return [mixture_logprob([member[i] for member in scored], weights) for i in range(len(continuations))]
+
 
 class LogitAverageParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -192,6 +204,24 @@ class LogitAverageStrategy(Strategy):
         for m in self.members:
             call.record(m, len(req.prompt_ids), 0)
         return [engine.tokenizer.decode([t]) for t in req.prompt_ids], lps
+
+    async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
+        """One vocabulary: by default per token (the mixture's logprob of each choice token, from one shared
+        tokenization), then normalised like one model's; ``combine: probabilities`` averages the members'
+        distributions over the choices instead (always, with ``align: topk_union``)."""
+        if self.params.align == "topk_union" or combine == "probabilities":
+            if combine == "tokens":
+                raise InvalidRequest("combine 'tokens' needs members that share one vocabulary (align: vocab); "
+                                     "with topk_union use 'probabilities'.", param="combine")
+            return await super().score_choices(call, question, "probabilities")
+        engine = self.engine(skip=False)
+        assert isinstance(engine, LogitAverage)
+        scores = await question.score(engine)
+        for m in self.members:
+            call.record(m, scores.tokens_scored, 0)
+        answer = ChoiceAnswer.of(scores, question.normalisations)
+        answer.trace = {"combine": "tokens", "weights": engine.weights.tolist(), "space": self.params.space}
+        return answer
 
     def precheck(self, call: Call) -> None:
         req = call.request(self.members[0])

@@ -7,9 +7,13 @@ the strategy's own ``Params`` model.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from chorus.errors import InvalidRequest
 
 
 class MemberSpec(BaseModel):
@@ -57,3 +61,13 @@ class NamedEnsemble(EnsembleSpec):
 
     name: str = Field(min_length=1)
     description: str | None = None
+
+
+def member_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """A strategy's ``weights`` checked (one non-negative number per member, positive sum) and normalised;
+    equal weights when none are given."""
+    w = list(weights) if weights is not None else [1.0] * n
+    if len(w) != n or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise InvalidRequest(f"'weights' must be {n} non-negative numbers (one per member) with a positive sum; "
+                             f"got {list(w)}.", param="ensemble.weights")
+    return [x / sum(w) for x in w]

@@ -5,21 +5,17 @@ with failures named or dropped."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 from chorus.ensembles.base import message
+from chorus.ensembles.spec import member_weights
 from chorus.errors import InvalidRequest, MemberFailed
 
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
-    w = list(weights) if weights is not None else [1.0] * n
-    if len(w) != n or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
-        raise InvalidRequest(f"'weights' must be {n} non-negative numbers (one per member) with a positive sum; "
-                             f"got {list(w)}.", param="ensemble.weights")
-    return torch.tensor(w, dtype=torch.float32) / sum(w)
+    return torch.tensor(member_weights(weights, n), dtype=torch.float32)
 
 
 

@@ -21,7 +21,7 @@ def served_by(request: Request, model: str, strategy: str = "", uses: Iterable[s
     request.state.model = model
     request.state.strategy = strategy
     if body is not None and request.app.state.config.server.log.prompts:
-        request.state.prompt = body.message_dicts() if hasattr(body, "messages") else body.prompt
+        request.state.prompt = body.message_dicts() if getattr(body, "messages", None) is not None else body.prompt
 
 
 def settle(request: Request, model: str, usage: dict[str, Any]) -> None:

@@ -13,10 +13,12 @@ from fastapi import FastAPI
 from chorus import __version__
 from chorus.config import ChorusConfig, Settings
 from chorus.engines.base import Engine
+from chorus.engines.prepare import is_ready
 from chorus.engines.registry import build_engine
 from chorus.ensembles.base import Ensemble
 from chorus.server import errors
 from chorus.server.auth import KeyStore
+from chorus.server.choices import router as choices_router
 from chorus.server.fastpath import FastPath
 from chorus.server.gateway import Door, Gateway
 from chorus.server.limits import BodyLimit
@@ -37,6 +39,10 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         loaded = dict(engines) if engines is not None else {}
         if engines is None:
             for spec in config.models:
+                if spec.optional and not is_ready(spec):
+                    log.info("optional model %s is not prepared, not served (chorus models prepare %s)",
+                             spec.name, spec.name)
+                    continue
                 t0 = time.perf_counter()
                 loaded[spec.name] = build_engine(spec, {m.name: m for m in config.models})
                 log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
@@ -65,6 +71,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     errors.install(app)
     app.include_router(router)
     app.include_router(sessions_router)
+    app.include_router(choices_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)

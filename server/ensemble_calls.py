@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from typing import Any, Protocol
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -25,7 +26,14 @@ from chorus.server.replies import Work, chat_reply, completion_reply, nothing, n
 from chorus.server.streaming import until_disconnect
 
 
-def find_ensemble(request: Request, req: P._Sampling) -> Ensemble | None:
+class AsksModel(Protocol):
+    """A request body that names a model and may carry an ``ensemble`` (chat, completions, choices)."""
+
+    model: str
+    ensemble: dict[str, Any] | None
+
+
+def find_ensemble(request: Request, req: AsksModel) -> Ensemble | None:
     """The ensemble this request asks for: a named one (``model``), the body's ``ensemble``, or both merged."""
     named: dict[str, Ensemble] = request.app.state.ensembles
     base = named.get(req.model)
@@ -61,7 +69,7 @@ def work_of(ensemble: Ensemble, call: Call) -> Work:
                 prefetch=ensemble.strategy.token_level)
 
 
-def admit(request: Request, req: P._Sampling, ensemble: Ensemble) -> None:
+def admit(request: Request, req: AsksModel, ensemble: Ensemble) -> None:
     """The key's allow-list (a named ensemble is one name; an inline one is every model it uses) and the
     server's ensemble limits."""
     named = req.model in request.app.state.ensembles

@@ -13,7 +13,11 @@ from chorus.errors import EngineUnavailable
 
 def test_packaged_default_config() -> None:
     config = load_config(None)
-    assert [m.name for m in config.models] == ["smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "gemma-3-270m"]
+    assert [m.name for m in config.models if not m.optional] == [
+        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "gemma-3-270m"]
+    opt_in = [m for m in config.models if m.optional]
+    assert [m.name for m in opt_in] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+    assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in opt_in)
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
     assert all(m.needs_prepare for m in config.models)
 

@@ -1,0 +1,274 @@
+"""``chorus eval`` on multiple-choice data (rows with ``choices`` and ``label``), through ``/v1/choices``.
+
+Prompts are lm-evaluation-harness's for these sets: ``Question: {goal or question}\\nAnswer:`` followed by
+" " + choice (PIQA, ARC), and the ``context`` followed by " " + ending (HellaSwag). Systems:
+
+* ``--model NAME``: a served model or named ensemble, scored item by item;
+* ``--ensemble JSON``: an ensemble in the request body (``label`` and ``combine`` keys are read here);
+* ``--mix JSON``: an ensemble computed from the cached scores of models run in the same invocation,
+  without calling them again: ``{"label", "members": [...], "pool": "linear" | "log" | "confident" |
+  "tokens", "weights": null | [...] | "fit"}``. ``fit`` uses 2-fold cross-fitting: the weights for
+  each half of the items are fitted on the other half (disjoint), by the gold choices' log-likelihood.
+
+``--cache DIR`` keeps every model's per-item scores (JSONL, one file per data file and system), so a
+rerun, or another mix, reuses them. The table gives acc and acc_norm with Wilson 95% intervals and,
+for every ensemble, the difference from its best member (on the same items) with a paired bootstrap
+95% interval and McNemar's exact p, and the cost per item (member calls, tokens, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from chorus.clients import choice_stats as S
+from chorus.clients.local import markdown_table
+
+NORMS = ("sum", "mean", "char")  # what the runs ask for (``unconditional`` costs a second pass)
+
+
+@dataclass
+class Item:
+    id: str
+    prompt: str
+    choices: list[str]
+    label: int
+
+
+@dataclass
+class Scored:
+    """One system's per-item records, in item order."""
+
+    label: str
+    records: list[dict[str, Any]]
+    members: list[str] = field(default_factory=list)  # ensembles: the member systems
+    note: str = ""
+
+    def probs(self, norm: str) -> np.ndarray:
+        width = max(len(r["probabilities"][norm]) for r in self.records)
+        out = np.zeros((len(self.records), width))
+        for i, r in enumerate(self.records):
+            p = r["probabilities"][norm]
+            out[i, : len(p)] = p
+        return out
+
+    def correct(self, norm: str, gold: np.ndarray) -> np.ndarray:
+        return (self.probs(norm).argmax(axis=1) == gold).astype(int)
+
+    def per_item(self, key: str) -> float:
+        return float(np.mean([r[key] for r in self.records]))
+
+
+def is_multiple_choice(path: Path) -> bool:
+    with path.open() as f:
+        first = json.loads(next((line for line in f if line.strip()), "{}"))
+    return isinstance(first, dict) and "choices" in first and "label" in first
+
+
+def load_items(path: Path, offset: int, limit: int | None) -> list[Item]:
+    items = []
+    with path.open() as f:
+        rows = [line for line in f if line.strip()]
+    for n, line in enumerate(rows[offset:], offset + 1):
+        row = json.loads(line)
+        try:
+            if "context" in row:
+                prompt = row["context"] + " "
+            else:
+                prompt = f"Question: {row.get('goal', row.get('question'))}\nAnswer: "
+            items.append(Item(str(row.get("id", n)), prompt, list(row["choices"]), int(row["label"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"chorus eval: {path}:{n}: need 'choices', 'label' and a question ({exc})") from None
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def cache_file(cache: Path, data: Path, label: str) -> Path:
+    tag = hashlib.sha256(str(data.resolve()).encode()).hexdigest()[:8]
+    return cache / f"{data.stem}-{tag}" / (re.sub(r"[^A-Za-z0-9._+-]", "_", label) + ".jsonl")
+
+
+async def score_item(http: httpx.AsyncClient, body: dict[str, Any], item: Item) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    r = await http.post("/choices", json={**body, "prompt": item.prompt, "choices": item.choices,
+                                          "normalisations": list(NORMS)})
+    if r.status_code != 200:
+        raise RuntimeError(f"{item.id}: {r.status_code}: {r.text[:300]}")
+    data = r.json()
+    calls = (data.get("ensemble") or {}).get("usage", {}).get("calls", 1)
+    choices = data["choices"]
+    return {"id": item.id, "label": item.label, "probabilities": {n: [c["probabilities"][n] for c in choices]
+                                                                  for n in NORMS},
+            "logprobs": [c["logprob"] for c in choices], "tokens": [c["tokens"] for c in choices],
+            "token_logprobs": [c.get("token_logprobs") for c in choices], "chars": [len(c) for c in item.choices],
+            "usage_tokens": data["usage"]["total_tokens"], "calls": calls, "seconds": time.perf_counter() - t0}
+
+
+def read_cache(cached: Path | None) -> dict[str, dict[str, Any]]:
+    if cached is None or not cached.is_file():
+        return {}
+    return {rec["id"]: rec for rec in map(json.loads, cached.read_text().splitlines())}
+
+
+async def run_system(http: httpx.AsyncClient, label: str, body: dict[str, Any], items: list[Item],
+                     cached: Path | None, concurrency: int) -> Scored:
+    have = read_cache(cached)
+    todo = [it for it in items if it.id not in have]
+    print(f"{label}: {len(items)} items, {len(items) - len(todo)} cached", file=sys.stderr, flush=True)
+    gate = asyncio.Semaphore(concurrency)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+    out = cached.open("a") if cached is not None else None
+    try:
+        async def one(item: Item) -> None:
+            async with gate:
+                rec = await score_item(http, body, item)
+            have[item.id] = rec
+            if out is not None:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+
+        await asyncio.gather(*(one(it) for it in todo))
+    finally:
+        if out is not None:
+            out.close()
+    return Scored(label, [have[it.id] for it in items])
+
+
+def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray, norm: str) -> Scored:
+    """An ensemble from cached member scores (no model is called)."""
+    label, names = spec.get("label") or "+".join(spec["members"]), spec["members"]
+    pool, weights = spec.get("pool", "linear"), spec.get("weights")
+    missing = [n for n in names if n not in runs]
+    if missing:
+        raise SystemExit(f"chorus eval: --mix {label}: members {missing} are not among the systems run")
+    members = [runs[n] for n in names]
+    m, n_items = len(members), len(gold)
+    half = n_items // 2
+    folds = [(np.arange(0, half), np.arange(half, n_items)), (np.arange(half, n_items), np.arange(0, half))]
+    note = ""
+    per_fold: list[tuple[np.ndarray, np.ndarray]] = []  # (items, weights)
+    if weights == "fit":
+        if pool == "tokens":
+            raise SystemExit(f"chorus eval: --mix {label}: fitted weights are for probability pools")
+        for fit_on, apply_to in folds:
+            w = S.fit_weights([s.probs(norm)[fit_on] for s in members], gold[fit_on], pool)
+            per_fold.append((apply_to, w))
+        note = "weights fitted on the other half: " + "; ".join(
+            "[" + ", ".join(f"{x:.2f}" for x in w) + "]" for _, w in per_fold)
+    else:
+        w = np.array(weights if weights is not None else [1.0] * m, dtype=float)
+        if len(w) != m:
+            raise SystemExit(f"chorus eval: --mix {label}: {m} members, {len(w)} weights")
+        per_fold.append((np.arange(n_items), w))
+    records: list[dict[str, Any]] = [{} for _ in range(n_items)]
+    for idx, w in per_fold:
+        for nm in NORMS:
+            if pool == "tokens":
+                p = token_pool(members, idx, w, nm)
+            else:
+                p = S.combine([s.probs(nm)[idx] for s in members], w, pool)
+            for row, i in enumerate(idx):
+                records[i].setdefault("probabilities", {})[nm] = p[row].tolist()
+    for i in range(n_items):
+        records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
+    return Scored(label, records, names, note)
+
+
+def token_pool(members: list[Scored], idx: np.ndarray, w: np.ndarray, norm: str) -> np.ndarray:
+    """Per-token mixture of members that share one tokenization, from their cached token logprobs."""
+    rows = []
+    for i in idx:
+        recs = [s.records[i] for s in members]
+        if any(None in r["token_logprobs"] for r in recs) or len({tuple(r["tokens"]) for r in recs}) != 1:
+            raise SystemExit("chorus eval: a 'tokens' mix needs members run with one tokenizer (token logprobs)")
+        lps = np.array([S.token_mixture([r["token_logprobs"][c] for r in recs], w)
+                        for c in range(len(recs[0]["tokens"]))])
+        rows.append(S.normalised_probabilities(lps, np.array(recs[0]["tokens"]), np.array(recs[0]["chars"]), norm))
+    width = max(len(r) for r in rows)
+    return np.array([np.pad(r, (0, width - len(r))) for r in rows])
+
+
+def report(systems: list[Scored], gold: np.ndarray, norm: str) -> str:
+    runs = {s.label: s for s in systems}
+    header = ["system", "n", "acc [95% CI]", "acc_norm [95% CI]", f"Δ vs best member ({NAMES[norm]}) [95% CI]",
+              "McNemar p", "calls/item", "tokens/item", "s/item"]
+    rows = []
+    for s in systems:
+        cells = [s.label, str(len(gold))]
+        for nm in ("sum", "char"):
+            c = s.correct(nm, gold)
+            lo, hi = S.accuracy_interval(c)
+            cells.append(f"{100 * c.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
+        if s.members:
+            best = max(s.members, key=lambda n: runs[n].correct(norm, gold).mean())
+            d = S.paired_difference(s.correct(norm, gold), runs[best].correct(norm, gold))
+            cells += [f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] vs {best} "
+                      f"(+{d.wins}/-{d.losses})", f"{d.p_mcnemar:.3f}"]
+        else:
+            cells += ["-", "-"]
+        cells += [f"{s.per_item('calls'):.1f}", f"{s.per_item('usage_tokens'):.0f}", f"{s.per_item('seconds'):.2f}"]
+        rows.append(cells)
+    notes = [f"- {s.label}: {s.note}" for s in systems if s.note]
+    return markdown_table(header, rows) + ("\n" + "\n".join(notes) if notes else "")
+
+
+NAMES = {"sum": "acc", "char": "acc_norm", "mean": "acc per token"}
+
+
+async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) -> str:
+    data = Path(args.data)
+    items = load_items(data, args.offset, args.limit)
+    if not items:
+        raise SystemExit(f"chorus eval: no items in {data}")
+    gold = np.array([it.label for it in items])
+    cache = Path(args.cache) if args.cache else None
+    systems: list[Scored] = []
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, headers=headers) as http:
+        cards = (await http.get("/models")).json().get("data", [])
+        named = {c["id"] for c in cards if c.get("ensemble")}
+        for name in args.model or []:
+            cached = cache_file(cache, data, name) if cache else None
+            asked = {"model": name} if name in named else {"model": name, "logprobs": True}  # for 'tokens' mixes
+            systems.append(await run_system(http, name, asked, items, cached, args.concurrency))
+        for i, raw in enumerate(args.ensemble or []):
+            spec = json.loads(raw)
+            label = spec.pop("label", None) or f"{spec.get('strategy', 'ensemble')}#{i + 1}"
+            body: dict[str, Any] = {"model": spec.pop("model", label), "ensemble": spec, "trace": True}
+            if "combine" in spec:
+                body["combine"] = spec.pop("combine")
+            cached = cache_file(cache, data, label) if cache else None
+            scored = await run_system(http, label, body, items, cached, args.concurrency)
+            members = spec.get("members") or []
+            scored.members = [m if isinstance(m, str) else m["model"] for m in members]
+            scored.members = [m for m in scored.members if m in {s.label for s in systems}]
+            systems.append(scored)
+    runs = {s.label: s for s in systems}
+    for raw in args.mix or []:
+        s = mix(json.loads(raw), runs, gold, args.norm)
+        runs[s.label] = s
+        systems.append(s)
+    title = (f"{len(items)} items of {data.name} (from item {args.offset}); acc = summed log-likelihood, acc_norm = "
+             f"per character; Δ on {NAMES[args.norm]}")
+    return title + "\n" + report(systems, gold, args.norm)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mix", action="append", help='multiple choice: an ensemble from cached member scores, e.g. '
+                   '\'{"label": "avg", "members": ["a", "b"], "pool": "linear", "weights": "fit"}\' (repeatable)')
+    p.add_argument("--offset", type=int, default=0, help="multiple choice: skip the first N items")
+    p.add_argument("--cache", help="multiple choice: directory for per-item scores (reused by later runs)")
+    p.add_argument("--norm", choices=["sum", "char", "mean"], default="char",
+                   help="multiple choice: the accuracy compared between systems (char = lm-eval's acc_norm)")

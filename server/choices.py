@@ -1,0 +1,112 @@
+"""``POST /v1/choices``: multiple-choice scoring, a chorus extension (docs/api.md).
+
+    {"model", "prompt" | "messages", "choices": [str, ...], "normalisations"?, "combine"?, "ensemble"?,
+     "trace"?}
+    -> {"object": "choice.scores", "model", "choices": [{"index", "text", "logprob", "tokens",
+        "probabilities": {"sum", "mean", "char", "unconditional"}}], "chosen": {normalisation: index}, "usage"}
+
+A model scores each choice after the prompt (engines/scoring.py: the prompt is prefilled once and
+every choice scored from its cache); an ensemble (named, or the body's ``ensemble``) combines its
+members' distributions over the choices, or per token for one vocabulary (ensembles/choice_scores.py).
+Unknown fields are refused (400), unlike on the OpenAI routes: this body is chorus's own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from chorus.ensembles.base import Prompt
+from chorus.ensembles.choice_scores import COMBINES, ChoiceAnswer, ChoiceQuestion
+from chorus.errors import InvalidRequest
+from chorus.server import ensemble_calls
+from chorus.server import protocol as P
+from chorus.server.accounting import served_by, settle
+from chorus.server.routes import resolve
+from chorus.server.streaming import until_disconnect
+
+router = APIRouter()
+
+
+class ChoicesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    prompt: str | None = Field(default=None, description="text the choices continue")
+    messages: list[P.ChatMessage] | None = Field(default=None, description="or: a chat, rendered with the template")
+    choices: list[str] = Field(description="the candidate continuations")
+    normalisations: list[str] | None = Field(
+        default=None, description="which probabilities to return (default all: sum, mean, char, unconditional)")
+    combine: str | None = Field(default=None, description="ensembles: 'probabilities' or 'tokens' (one vocabulary)")
+    ensemble: dict[str, Any] | None = Field(default=None, description="an ensemble, as on the chat route")
+    trace: bool = Field(default=False, description="ensembles: each member's scores in the response")
+    logprobs: bool = Field(default=False, description="each choice's token logprobs (and unconditional logprob)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ChoicesRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("Give exactly one of 'prompt' or 'messages'.", param="prompt")
+        if not self.choices:
+            raise InvalidRequest("'choices' must hold at least one string.", param="choices")
+        if self.combine is not None and self.combine not in COMBINES:
+            raise InvalidRequest(f"'combine' must be one of {', '.join(COMBINES)}.", param="combine")
+        return self
+
+    def message_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.messages is None else [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def question(self) -> ChoiceQuestion:
+        kw = {} if self.normalisations is None else {"normalisations": self.normalisations}
+        return ChoiceQuestion(list(self.choices), text=self.prompt, messages=self.message_dicts(), **kw)
+
+
+@router.post("/v1/choices")
+async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
+    limits = request.app.state.config.server.limits
+    if len(req.choices) > limits.max_choices:
+        raise InvalidRequest(f"At most {limits.max_choices} choices per request on this server (got "
+                             f"{len(req.choices)}).", param="choices")
+    question = req.question()
+    ensemble = ensemble_calls.find_ensemble(request, req)
+    if ensemble is not None:
+        ensemble_calls.admit(request, req, ensemble)
+        call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text))
+        answer = await until_disconnect(request, ensemble.score_choices(call, question, req.combine))
+        usage = P.usage(call.usage.prompt_tokens, 0)
+    else:
+        if req.combine is not None:
+            raise InvalidRequest("'combine' applies to ensembles only.", param="combine")
+        if req.trace:
+            raise InvalidRequest("'trace' on /v1/choices applies to ensembles only.", param="trace")
+        engine = resolve(request, req.model)
+        served_by(request, req.model, body=req)
+        scores = await until_disconnect(request, question.score(engine))
+        answer = ChoiceAnswer.of(scores, question.normalisations)
+        usage = P.usage(scores.tokens_scored, 0)
+    settle(request, req.model, usage)
+    return reply(req, answer, usage)
+
+
+def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": P.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
+        "choices": [{"index": i, "text": text,
+                     "logprob": None if answer.logprobs is None else answer.logprobs[i],
+                     "tokens": None if answer.tokens is None else answer.tokens[i],
+                     "probabilities": {n: p[i] for n, p in answer.probabilities.items()}}
+                    for i, text in enumerate(req.choices)],
+        "chosen": answer.chosen, "usage": usage,
+    }
+    if req.logprobs:
+        if answer.per_token is None:
+            raise InvalidRequest("'logprobs' needs one tokenization under the scores: a single model, or "
+                                 "combine 'tokens'.", param="logprobs")
+        for i, c in enumerate(out["choices"]):
+            c["token_logprobs"] = answer.per_token[i]
+            c["unconditional_logprob"] = None if answer.unconditional is None else answer.unconditional[i]
+    if req.trace:
+        out["ensemble"] = answer.trace
+    return out
