@@ -42,6 +42,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                "chorus.cli.families:train_modr_arguments", config=False),
     ("eval",): Command("accuracy of models and ensembles on a JSONL dataset, side by side",
                        "chorus.clients.eval:main", "chorus.clients.eval:add_arguments"),
+    ("eval", "addition"): Command("2- and 3-digit addition, greedy, exact match: models vs token-level ensembles",
+                                  "chorus.clients.eval_addition:main", "chorus.clients.eval_addition:add_arguments"),
     ("eval", "tasks"): Command("lm-evaluation-harness task YAMLs for local PIQA / ARC-Easy / HellaSwag files",
                                "chorus.clients.lm_eval_tasks:main", "chorus.clients.lm_eval_tasks:add_arguments",
                                config=False),

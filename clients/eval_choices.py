@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from chorus.clients import choice_stats as S
+from chorus.clients import eval_stats as S
 from chorus.clients.local import markdown_table
 
 NORMS = ("sum", "mean", "char")  # what the runs ask for (``unconditional`` costs a second pass)
@@ -54,6 +54,8 @@ class Scored:
     records: list[dict[str, Any]]
     members: list[str] = field(default_factory=list)  # ensembles: the member systems
     note: str = ""
+    served: bool = False  #: an ensemble the server ran (not a mix of cached scores)
+    pool: str = ""  #: how its members combine: a mix's pool; a served one's "linear" or "tokens"
 
     def probs(self, norm: str) -> np.ndarray:
         width = max(len(r["probabilities"][norm]) for r in self.records)
@@ -184,7 +186,20 @@ def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray, norm: s
                 records[i].setdefault("probabilities", {})[nm] = p[row].tolist()
     for i in range(n_items):
         records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
-    return Scored(label, records, names, note)
+    return Scored(label, records, names, note, pool=pool)
+
+
+def agreement(systems: list[Scored]) -> list[str]:
+    """For every served ensemble with a mix of the same members and pooling (equal weights both): the largest
+    difference of any choice's probability between the server's answer and the combination of cached scores."""
+    lines = []
+    for served in (s for s in systems if s.served):
+        for mixed in (s for s in systems if not s.served and s.members == served.members and s.pool == served.pool
+                      and not s.note):
+            diff = max(float(np.abs(served.probs(n) - mixed.probs(n)).max()) for n in NORMS)
+            lines.append(f"- served {served.label} vs {mixed.label} from cached scores: largest |difference| of a "
+                         f"choice's probability {diff:.1e} over {len(served.records)} items")
+    return lines
 
 
 def token_pool(members: list[Scored], idx: np.ndarray, w: np.ndarray, norm: str) -> np.ndarray:
@@ -251,9 +266,11 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
                 body["combine"] = spec.pop("combine")
             cached = cache_file(cache, data, label) if cache else None
             scored = await run_system(http, label, body, items, cached, args.concurrency)
-            members = spec.get("members") or []
-            scored.members = [m if isinstance(m, str) else m["model"] for m in members]
-            scored.members = [m for m in scored.members if m in {s.label for s in systems}]
+            members = [m if isinstance(m, str) else m["model"] for m in spec.get("members") or []]
+            scored.members = [m for m in members if m in {s.label for s in systems}]
+            scored.served = True
+            one_vocab = spec.get("strategy") == "logit_average" and spec.get("align", "vocab") == "vocab"
+            scored.pool = "tokens" if one_vocab and body.get("combine", "tokens") == "tokens" else "linear"
             systems.append(scored)
     runs = {s.label: s for s in systems}
     for raw in args.mix or []:
@@ -262,7 +279,7 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
         systems.append(s)
     title = (f"{len(items)} items of {data.name} (from item {args.offset}); acc = summed log-likelihood, acc_norm = "
              f"per character; Δ on {NAMES[args.norm]}")
-    return title + "\n" + report(systems, gold, args.norm)
+    return "\n".join([title, report(systems, gold, args.norm), *agreement(systems)])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

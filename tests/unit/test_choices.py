@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from chorus.clients import choice_stats as S
+from chorus.clients import eval_stats as S
 from chorus.engines.fake import FakeEngine
 from chorus.engines.scoring import mixture_logprob, neutral_prefix, normalised, softmax, split_text
 from tests.conftest import LiveServer

@@ -103,3 +103,36 @@ def test_pool_prefers_the_least_outstanding_and_cools_failures_down() -> None:
                                               (500, Retryable), (503, Retryable), (401, EngineFailed)])
 def test_error_mapping(status: int, kind: type) -> None:
     assert isinstance(error_from(status, '{"error": {"message": "m"}}', "http://x"), kind)
+
+
+async def test_remote_models_score_prompts_and_choices_by_echo(upstream: LiveServer) -> None:
+    local = FakeEngine("up", script="hello from upstream")
+    ids = local.tokenizer.encode("hello there")
+    want = await local.prompt_logprobs(ids, 2)
+    async for e in engine([dead_url(), upstream.url + "/v1"]):
+        got = await e.prompt_logprobs(ids, 2)
+        assert got[0] is None and len(got) == len(ids)
+        for g, w in zip(got[1:], want[1:]):
+            assert g is not None and w is not None
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-5) and g.token == w.token and len(g.top) == 2
+        prefix, conts = ids[:5], [ids[5:], ids[6:8]]
+        scored = await e.score_continuations(prefix, conts)
+        assert scored == [pytest.approx(x, abs=1e-5) for x in await local.score_continuations(prefix, conts)]
+
+
+def test_a_gateway_scores_choices_on_a_remote_model(upstream: LiveServer) -> None:
+    import httpx
+
+    cfg = ChorusConfig.model_validate({"models": [{"name": "r", "engine": "remote", "max_model_len": 256, "remote": {
+        "replicas": [upstream.url + "/v1"], "model": "up", "tokenizer": "unused"}}]})
+    remote = RemoteEngine(cfg.models[0], CharTokenizer())
+    gateway = LiveServer(create_app(cfg, engines={"r": remote})).start()
+    try:
+        body = {"prompt": "hello ", "choices": ["from", "upstream", "there"]}
+        via = httpx.post(gateway.url + "/v1/choices", json={"model": "r", **body}, timeout=30).json()
+        direct = httpx.post(upstream.url + "/v1/choices", json={"model": "up", **body}, timeout=30).json()
+        assert [c["logprob"] for c in via["choices"]] == pytest.approx([c["logprob"] for c in direct["choices"]],
+                                                                       abs=1e-5)
+        assert via["chosen"] == direct["chosen"]
+    finally:
+        gateway.stop()

@@ -1,4 +1,4 @@
-"""Statistics for multiple-choice evaluations: intervals, paired comparisons, and combining cached scores.
+"""Statistics for evaluations: intervals, paired comparisons, and combining cached multiple-choice scores.
 
 Every function takes per-item arrays over the same items, so systems are compared pairwise:
 
