@@ -149,41 +149,42 @@ async def run_system(http: httpx.AsyncClient, label: str, body: dict[str, Any], 
     return Scored(label, [have[it.id] for it in items])
 
 
-def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray, norm: str) -> Scored:
+def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray) -> Scored:
     """An ensemble from cached member scores (no model is called)."""
     label, names = spec.get("label") or "+".join(spec["members"]), spec["members"]
     pool, weights = spec.get("pool", "linear"), spec.get("weights")
     missing = [n for n in names if n not in runs]
     if missing:
         raise SystemExit(f"chorus eval: --mix {label}: members {missing} are not among the systems run")
+    if pool not in S.POOLS:
+        raise SystemExit(f"chorus eval: --mix {label}: pool must be one of {', '.join(S.POOLS)}")
     members = [runs[n] for n in names]
     m, n_items = len(members), len(gold)
     half = n_items // 2
     folds = [(np.arange(0, half), np.arange(half, n_items)), (np.arange(half, n_items), np.arange(0, half))]
+    plans: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # normalisation -> [(items, weights)]
     note = ""
-    per_fold: list[tuple[np.ndarray, np.ndarray]] = []  # (items, weights)
-    if weights == "fit":
+    if weights == "fit":  # per normalisation, each half's weights fitted on the other half
         if pool == "tokens":
             raise SystemExit(f"chorus eval: --mix {label}: fitted weights are for probability pools")
-        for fit_on, apply_to in folds:
-            w = S.fit_weights([s.probs(norm)[fit_on] for s in members], gold[fit_on], pool)
-            per_fold.append((apply_to, w))
+        for nm in NORMS:
+            plans[nm] = [(apply_to, S.fit_weights([s.probs(nm)[fit_on] for s in members], gold[fit_on], pool))
+                         for fit_on, apply_to in folds]
         note = "weights fitted on the other half: " + "; ".join(
-            "[" + ", ".join(f"{x:.2f}" for x in w) + "]" for _, w in per_fold)
+            f"{NAMES[nm]} " + " / ".join("[" + ", ".join(f"{x:.2f}" for x in w) + "]" for _, w in plans[nm])
+            for nm in ("sum", "char"))
     else:
         w = np.array(weights if weights is not None else [1.0] * m, dtype=float)
         if len(w) != m:
             raise SystemExit(f"chorus eval: --mix {label}: {m} members, {len(w)} weights")
-        per_fold.append((np.arange(n_items), w))
-    records: list[dict[str, Any]] = [{} for _ in range(n_items)]
-    for idx, w in per_fold:
-        for nm in NORMS:
-            if pool == "tokens":
-                p = token_pool(members, idx, w, nm)
-            else:
-                p = S.combine([s.probs(nm)[idx] for s in members], w, pool)
+        plans = {nm: [(np.arange(n_items), w)] for nm in NORMS}
+    records: list[dict[str, Any]] = [{"probabilities": {}} for _ in range(n_items)]
+    for nm, plan in plans.items():
+        for idx, w in plan:
+            p = token_pool(members, idx, w, nm) if pool == "tokens" else S.combine(
+                [s.probs(nm)[idx] for s in members], w, pool)
             for row, i in enumerate(idx):
-                records[i].setdefault("probabilities", {})[nm] = p[row].tolist()
+                records[i]["probabilities"][nm] = p[row].tolist()
     for i in range(n_items):
         records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
     return Scored(label, records, names, note, pool=pool)
@@ -216,10 +217,12 @@ def token_pool(members: list[Scored], idx: np.ndarray, w: np.ndarray, norm: str)
     return np.array([np.pad(r, (0, width - len(r))) for r in rows])
 
 
-def report(systems: list[Scored], gold: np.ndarray, norm: str) -> str:
+def report(systems: list[Scored], gold: np.ndarray) -> str:
     runs = {s.label: s for s in systems}
-    header = ["system", "n", "acc [95% CI]", "acc_norm [95% CI]", f"Δ vs best member ({NAMES[norm]}) [95% CI]",
-              "McNemar p", "calls/item", "tokens/item", "s/item"]
+    header = ["system", "n"]
+    for metric in ("acc", "acc_norm"):
+        header += [f"{metric} [95% CI]", f"Δ {metric} vs best member [95% CI], McNemar p"]
+    header += ["calls/item", "tokens/item", "s/item"]
     rows = []
     for s in systems:
         cells = [s.label, str(len(gold))]
@@ -227,20 +230,20 @@ def report(systems: list[Scored], gold: np.ndarray, norm: str) -> str:
             c = s.correct(nm, gold)
             lo, hi = S.accuracy_interval(c)
             cells.append(f"{100 * c.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
-        if s.members:
-            best = max(s.members, key=lambda n: runs[n].correct(norm, gold).mean())
-            d = S.paired_difference(s.correct(norm, gold), runs[best].correct(norm, gold))
-            cells += [f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] vs {best} "
-                      f"(+{d.wins}/-{d.losses})", f"{d.p_mcnemar:.3f}"]
-        else:
-            cells += ["-", "-"]
+            if s.members:
+                best = max(s.members, key=lambda n: runs[n].correct(nm, gold).mean())
+                d = S.paired_difference(c, runs[best].correct(nm, gold))
+                cells.append(f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], p={d.p_mcnemar:.2f} "
+                             f"vs {best} (+{d.wins}/-{d.losses})")
+            else:
+                cells.append("-")
         cells += [f"{s.per_item('calls'):.1f}", f"{s.per_item('usage_tokens'):.0f}", f"{s.per_item('seconds'):.2f}"]
         rows.append(cells)
     notes = [f"- {s.label}: {s.note}" for s in systems if s.note]
     return markdown_table(header, rows) + ("\n" + "\n".join(notes) if notes else "")
 
 
-NAMES = {"sum": "acc", "char": "acc_norm", "mean": "acc per token"}
+NAMES = {"sum": "acc", "char": "acc_norm", "mean": "acc_mean"}
 
 
 async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) -> str:
@@ -274,12 +277,12 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
             systems.append(scored)
     runs = {s.label: s for s in systems}
     for raw in args.mix or []:
-        s = mix(json.loads(raw), runs, gold, args.norm)
+        s = mix(json.loads(raw), runs, gold)
         runs[s.label] = s
         systems.append(s)
-    title = (f"{len(items)} items of {data.name} (from item {args.offset}); acc = summed log-likelihood, acc_norm = "
-             f"per character; Δ on {NAMES[args.norm]}")
-    return "\n".join([title, report(systems, gold, args.norm), *agreement(systems)])
+    title = (f"{len(items)} items of {data} (from item {args.offset}); acc = summed log-likelihood, acc_norm = "
+             "per character")
+    return "\n".join([title, report(systems, gold), *agreement(systems)])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -287,5 +290,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    '\'{"label": "avg", "members": ["a", "b"], "pool": "linear", "weights": "fit"}\' (repeatable)')
     p.add_argument("--offset", type=int, default=0, help="multiple choice: skip the first N items")
     p.add_argument("--cache", help="multiple choice: directory for per-item scores (reused by later runs)")
-    p.add_argument("--norm", choices=["sum", "char", "mean"], default="char",
-                   help="multiple choice: the accuracy compared between systems (char = lm-eval's acc_norm)")
