@@ -164,6 +164,8 @@ def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray) -> Scor
     folds = [(np.arange(0, half), np.arange(half, n_items)), (np.arange(half, n_items), np.arange(0, half))]
     plans: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # normalisation -> [(items, weights)]
     note = ""
+    if pool == "calibrated":  # each member's temperature fitted on the other half, then an equal average
+        return calibrated(label, members, names, folds, gold)
     if weights == "fit":  # per normalisation, each half's weights fitted on the other half
         if pool == "tokens":
             raise SystemExit(f"chorus eval: --mix {label}: fitted weights are for probability pools")
@@ -188,6 +190,25 @@ def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray) -> Scor
     for i in range(n_items):
         records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
     return Scored(label, records, names, note, pool=pool)
+
+
+def calibrated(label: str, members: list[Scored], names: list[str], folds: list[tuple[np.ndarray, np.ndarray]],
+               gold: np.ndarray) -> Scored:
+    records: list[dict[str, Any]] = [{"probabilities": {}} for _ in range(len(gold))]
+    temps: dict[str, list[list[float]]] = {}
+    for nm in NORMS:
+        for fit_on, apply_to in folds:
+            ts = [S.fit_temperature(s.probs(nm)[fit_on], gold[fit_on]) for s in members]
+            temps.setdefault(nm, []).append(ts)
+            p = np.mean([S.sharpen(s.probs(nm)[apply_to], t) for s, t in zip(members, ts)], axis=0)
+            for row, i in enumerate(apply_to):
+                records[i]["probabilities"][nm] = p[row].tolist()
+    for i in range(len(gold)):
+        records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
+    note = "temperatures fitted on the other half: " + "; ".join(
+        f"{NAMES[nm]} " + " / ".join("[" + ", ".join(f"{t:.2g}" for t in ts) + "]" for ts in temps[nm])
+        for nm in ("sum", "char"))
+    return Scored(label, records, names, note, pool="calibrated")
 
 
 def agreement(systems: list[Scored]) -> list[str]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-POOLS = ("linear", "log", "confident", "tokens")
+POOLS = ("linear", "log", "confident", "tokens", "calibrated")
+TEMPERATURES = np.exp(np.linspace(np.log(0.02), np.log(200.0), 81))
 
 
 def accuracy_interval(correct: np.ndarray) -> tuple[float, float]:
@@ -71,6 +72,23 @@ def combine(probs: list[np.ndarray], weights: np.ndarray, pool: str) -> np.ndarr
         pick = (stack.max(axis=2) * w[:, None]).argmax(axis=0)  # (items,)
         return stack[pick, np.arange(stack.shape[1])]
     raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+
+
+def sharpen(p: np.ndarray, temperature: float) -> np.ndarray:
+    """``p ** (1 / T)`` renormalised per item (T < 1 sharpens, T > 1 flattens); zero-padded choices stay 0."""
+    with np.errstate(divide="ignore"):
+        logs = np.where(p > 0, np.log(np.clip(p, 1e-300, None)) / temperature, -np.inf)
+    logs -= logs.max(axis=1, keepdims=True)
+    e = np.exp(logs)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def fit_temperature(p: np.ndarray, gold: np.ndarray) -> float:
+    """The temperature (log grid, 0.02 to 200) that maximises the gold choices' mean log-probability: one
+    member's calibration, so that members that are right equally often weigh equally in an average."""
+    rows = np.arange(len(gold))
+    scores = [float(np.log(np.clip(sharpen(p, t)[rows, gold], 1e-12, None)).mean()) for t in TEMPERATURES]
+    return float(TEMPERATURES[int(np.argmax(scores))])
 
 
 def fit_weights(probs: list[np.ndarray], gold: np.ndarray, pool: str, step: float = 0.05) -> np.ndarray:

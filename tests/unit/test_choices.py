@@ -166,3 +166,14 @@ def test_paired_difference_counts_discordant_items() -> None:
     assert d.low < 0.2 < d.high and d.p_mcnemar == pytest.approx(0.00222, abs=1e-4)  # binomial(30 of 40)
     lo, hi = S.accuracy_interval(np.array([1] * 64 + [0] * 36))
     assert lo < 0.64 < hi
+
+
+def test_calibration_sharpens_an_underconfident_member() -> None:
+    rng = np.random.default_rng(1)
+    gold = rng.integers(0, 2, 200)
+    right = np.where(rng.random(200) < 0.9, gold, 1 - gold)  # right 90% of the time, but nearly uniform
+    p = np.full((200, 2), 0.45)
+    p[np.arange(200), right] = 0.55
+    t = S.fit_temperature(p, gold)
+    assert t < 0.2 and S.sharpen(p, t)[np.arange(200), right].mean() > 0.8
+    assert S.sharpen(p, 1.0) == pytest.approx(p)

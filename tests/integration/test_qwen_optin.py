@@ -1,0 +1,52 @@
+"""The opt-in Qwen2.5-Coder pair (one vocabulary): skipped, with the command to prepare them, when absent.
+
+Their logit_average over ``/v1/choices`` is the per-token mixture of the two models' own scores, and the
+probability average is the average of their distributions over the choices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from chorus.config import ChorusConfig, load_config
+from chorus.engines.prepare import is_ready
+from chorus.engines.scoring import mixture_logprob
+from chorus.server.app import create_app
+from tests.conftest import LiveServer
+
+pytestmark = pytest.mark.integration
+Q05, Q15 = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen_server() -> Iterator[LiveServer]:
+    config = load_config(None)
+    missing = [n for n in (Q05, Q15) if not is_ready(config.model(n))]
+    if missing:
+        pytest.skip(f"opt-in models not prepared ({', '.join(missing)}): run `make models-qwen`")
+    qwen = ChorusConfig.model_validate({"models": [config.model(Q05).model_dump(exclude_none=True),
+                                                   config.model(Q15).model_dump(exclude_none=True)]})
+    srv = LiveServer(create_app(qwen)).start(timeout=600)
+    yield srv
+    srv.stop()
+
+
+def test_the_qwen_pair_mixes_per_token_and_per_choice(qwen_server: LiveServer) -> None:
+    body = {"prompt": "Question: Which keyword defines a function in Python?\nAnswer: ",
+            "choices": ["def", "function", "lambda x"], "logprobs": True}
+    alone = [httpx.post(qwen_server.url + "/v1/choices", json={"model": m, **body}, timeout=600).json()
+             for m in (Q05, Q15)]
+    assert [a["chosen"]["sum"] for a in alone] == [0, 0]  # both know it
+    ens = {"strategy": "logit_average", "members": [Q05, Q15], "weights": [1, 3]}
+    tokens = httpx.post(qwen_server.url + "/v1/choices", json={"model": "q", **body, "ensemble": ens},
+                        timeout=600).json()
+    for i, c in enumerate(tokens["choices"]):
+        want = mixture_logprob([a["choices"][i]["token_logprobs"] for a in alone], [0.25, 0.75])
+        assert c["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    probs = httpx.post(qwen_server.url + "/v1/choices", timeout=600, json={
+        "model": "q", **body, "logprobs": False, "ensemble": ens, "combine": "probabilities"}).json()
+    for i, c in enumerate(probs["choices"]):
+        want = 0.25 * alone[0]["choices"][i]["probabilities"]["char"] + 0.75 * alone[1]["choices"][i]["probabilities"]["char"]
+        assert c["probabilities"]["char"] == pytest.approx(want, abs=1e-6)
