@@ -7,8 +7,9 @@ Prompts are lm-evaluation-harness's for these sets: ``Question: {goal or questio
 * ``--ensemble JSON``: an ensemble in the request body (``label`` and ``combine`` keys are read here);
 * ``--mix JSON``: an ensemble computed from the cached scores of models run in the same invocation,
   without calling them again: ``{"label", "members": [...], "pool": "linear" | "log" | "confident" |
-  "tokens", "weights": null | [...] | "fit"}``. ``fit`` uses 2-fold cross-fitting: the weights for
-  each half of the items are fitted on the other half (disjoint), by the gold choices' log-likelihood.
+  "tokens" | "calibrated", "weights": null | [...] | "fit"}``. ``fit`` uses 2-fold cross-fitting: the
+  weights for each half of the items are fitted on the other half (disjoint), by the gold choices'
+  log-likelihood, per normalisation; ``calibrated`` fits each member's temperature that way, then averages.
 
 ``--cache DIR`` keeps every model's per-item scores (JSONL, one file per data file and system), so a
 rerun, or another mix, reuses them. The table gives acc and acc_norm with Wilson 95% intervals and,
