@@ -220,8 +220,8 @@ def agreement(systems: list[Scored]) -> list[str]:
         for mixed in (s for s in systems if not s.served and s.members == served.members and s.pool == served.pool
                       and not s.note):
             diff = max(float(np.abs(served.probs(n) - mixed.probs(n)).max()) for n in NORMS)
-            lines.append(f"- served {served.label} vs {mixed.label} from cached scores: largest |difference| of a "
-                         f"choice's probability {diff:.1e} over {len(served.records)} items")
+            lines.append(f"- {served.label} (served) vs {mixed.label} (from cached scores): largest |difference| of "
+                         f"a choice's probability {diff:.1e} over {len(served.records)} items")
     return lines
 
 

@@ -79,7 +79,7 @@ def test_eval_scores_multiple_choice_data_and_mixes_cached_scores(tmp_path: Path
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
              for line in first.stdout.splitlines() if line.startswith("| ") and "acc [" not in line}
     assert set(table) == {"a", "b", "served", "avg fit", "conf", "avg"} and table["a"][0] == "12"
-    agree = next(line for line in first.stdout.splitlines() if line.startswith("- served served vs avg"))
+    agree = next(line for line in first.stdout.splitlines() if line.startswith("- served (served) vs avg (from"))
     assert float(agree.split("probability ")[1].split()[0]) < 1e-6  # the server's average = the cached scores'
     assert table["served"][2] == table["avg"][2]
     assert table["served"][4] != "-" and table["served"][5] == "2.0"  # vs its best member; two member calls
