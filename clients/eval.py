@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,21 +175,30 @@ def start_server(config: str | None) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url + "/v1"
 
 
+@contextlib.contextmanager
+def serving(args: argparse.Namespace) -> Iterator[str]:
+    """The /v1 URL to evaluate against: ``--url``, or a ``chorus serve`` (``--config``) started for the run
+    and stopped afterwards."""
+    if args.url:
+        yield args.url
+        return
+    proc, url = start_server(args.config)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 async def _run(args: argparse.Namespace) -> str:
     if eval_choices.is_multiple_choice(Path(args.data)):
-        proc, url = (None, args.url) if args.url else start_server(args.config)
-        try:
+        with serving(args) as url:
             return await eval_choices.evaluate(args, url, {"Authorization": f"Bearer {args.api_key}"})
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
     data = load_data(Path(args.data), args.limit)
     if not data:
         raise SystemExit(f"chorus eval: no questions in {args.data}")
     systems = systems_from(args)
-    proc, url = (None, args.url) if args.url else start_server(args.config)
-    try:
+    with serving(args) as url:
         async with httpx.AsyncClient(base_url=url, timeout=args.timeout,
                                      headers={"Authorization": f"Bearer {args.api_key}"}) as http:
             cards = (await http.get("/models")).json().get("data", [])
@@ -199,10 +210,6 @@ async def _run(args: argparse.Namespace) -> str:
             for s in systems:
                 print(f"{s.label}: {len(data)} questions ...", file=sys.stderr, flush=True)
                 tallies.append(await run_system(http, s, data, args))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     return (f"{len(data)} questions from {args.data}; temperature {args.temperature}, max_tokens {args.max_tokens}\n"
             + report(systems, tallies, len(data)))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import sys
@@ -121,21 +122,14 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
 
 
 def main(args: argparse.Namespace) -> int:
-    from chorus.clients.eval import start_server
+    from chorus.clients.eval import serving
 
-    proc, url = (None, args.url) if args.url else start_server(args.config)
-    try:
+    with serving(args) as url:
         print(asyncio.run(evaluate(args, url, {"Authorization": f"Bearer {args.api_key}"})))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    import os
-
     p.add_argument("--model", action="append", help="a served model (repeatable)")
     p.add_argument("--ensemble", action="append", help='an ensemble as JSON with a "label" (repeatable)')
     p.add_argument("--digits", default="2,3", help="digit counts, comma separated")

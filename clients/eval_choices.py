@@ -188,9 +188,14 @@ def mix(spec: dict[str, Any], runs: dict[str, Scored], gold: np.ndarray) -> Scor
                 [s.probs(nm)[idx] for s in members], w, pool)
             for row, i in enumerate(idx):
                 records[i]["probabilities"][nm] = p[row].tolist()
-    for i in range(n_items):
-        records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
+    add_costs(records, members)
     return Scored(label, records, names, note, pool=pool)
+
+
+def add_costs(records: list[dict[str, Any]], members: list[Scored]) -> None:
+    """A mix costs what its members cost, item by item (it calls no model itself)."""
+    for i, rec in enumerate(records):
+        rec.update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
 
 
 def calibrated(label: str, members: list[Scored], names: list[str], folds: list[tuple[np.ndarray, np.ndarray]],
@@ -204,8 +209,7 @@ def calibrated(label: str, members: list[Scored], names: list[str], folds: list[
             p = np.mean([S.sharpen(s.probs(nm)[apply_to], t) for s, t in zip(members, ts)], axis=0)
             for row, i in enumerate(apply_to):
                 records[i]["probabilities"][nm] = p[row].tolist()
-    for i in range(len(gold)):
-        records[i].update({key: sum(s.records[i][key] for s in members) for key in ("usage_tokens", "calls", "seconds")})
+    add_costs(records, members)
     note = "temperatures fitted on the other half: " + "; ".join(
         f"{NAMES[nm]} " + " / ".join("[" + ", ".join(f"{t:.2g}" for t in ts) + "]" for ts in temps[nm])
         for nm in ("sum", "char"))

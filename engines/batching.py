@@ -23,10 +23,10 @@ import asyncio
 import inspect
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.batching")
+T = TypeVar("T")
 
 
 class BatchedSession:
@@ -340,9 +341,7 @@ class BatchRunner:
         """One forward over ``ids`` with no cache kept, on the forward thread (between batched steps):
         for positions 1.., the logprob of each token given the ones before it (L-1,), and the top ``k``
         logprobs (L-1, k) with their token ids. Only these leave the thread, not (L, V) logits."""
-        if self._executor is None:  # never started, or stopped: scoring must not bring the runner back
-            raise EngineUnavailable("engine is not running")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, ids, k)
+        return await self._on_thread(self._score, ids, k)
 
     def _score(self, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
@@ -360,10 +359,13 @@ class BatchRunner:
         every continuation packed into one sequence, each continuation attending to the prefix and to
         itself only (a tree mask; its positions restart after the prefix), logits only where a choice
         token is predicted. The prefix is read once and there is no padding and no cache to copy."""
-        if self._executor is None:
+        return await self._on_thread(self._score_continuations, prefix, continuations)
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the forward thread, between batched steps (scoring: no session, no cache kept)."""
+        if self._executor is None:  # never started, or stopped: scoring must not bring the runner back
             raise EngineUnavailable("engine is not running")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._score_continuations, prefix, continuations)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _score_continuations(self, prefix: list[int], conts: list[list[int]]) -> list[list[float]]:
         n = len(prefix)

@@ -2,8 +2,8 @@
 
 An engine scores *continuations*: ``score_continuations(prefix, continuations)`` gives, for each
 continuation, the logprob of each of its tokens after the prefix and the tokens before it. A plain
-local model prefills the prefix once and scores every continuation from that cache in one batched
-forward (`engines.batching`); any other engine scores ``prefix + continuation`` once per choice
+local model reads the prefix once: prefix and continuations packed into one forward with a tree-shaped
+attention mask (`engines.batching`); any other engine scores ``prefix + continuation`` once per choice
 (`by_prompt_logprobs`), which is exact too.
 
 Splitting follows lm-evaluation-harness, so that the same item gives the same numbers there and
@@ -149,9 +149,9 @@ async def score_choices(engine: Engine, choices: Sequence[str], *, text: str | N
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {engine.max_model_len} tokens; the prompt ({len(split.prefix)}"
                 f" tokens) with choices[{i}] ({len(c)} tokens) does not fit.", param="choices")
-    neutral = neutral_prefix(tok)
     per_token = await engine.score_continuations(split.prefix, split.choices)
-    unc = None
-    if unconditional:
-        unc = [math.fsum(t) for t in await engine.score_continuations(neutral, split.choices)]
-    return ChoiceScores(list(choices), per_token, unc, len(split.prefix), len(neutral) if unconditional else 0)
+    if not unconditional:
+        return ChoiceScores(list(choices), per_token, None, len(split.prefix))
+    neutral = neutral_prefix(tok)
+    unc = [math.fsum(t) for t in await engine.score_continuations(neutral, split.choices)]
+    return ChoiceScores(list(choices), per_token, unc, len(split.prefix), len(neutral))

@@ -62,8 +62,8 @@ class TransformersEngine(SessionEngine):
         return out
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
-        """A plain or MoE model prefills ``prefix`` once and scores every continuation from that cache in one
-        batched forward; other families score each ``prefix + continuation`` whole."""
+        """A plain model reads ``prefix`` once: prefix and continuations in one tree-masked forward on the
+        runner's thread; other families (and empty continuations) score each ``prefix + continuation`` whole."""
         if not isinstance(self.observer, DenseObserver) or not all(continuations):
             return await super().score_continuations(prefix, continuations)
         return await self.runner.score_continuations(prefix, continuations)

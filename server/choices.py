@@ -1,12 +1,12 @@
-"""``POST /v1/choices``: multiple-choice scoring, a chorus extension (docs/api.md).
+"""``POST /v1/choices``: multiple-choice scoring, a chorus extension (README, HTTP API).
 
     {"model", "prompt" | "messages", "choices": [str, ...], "normalisations"?, "combine"?, "ensemble"?,
      "trace"?}
     -> {"object": "choice.scores", "model", "choices": [{"index", "text", "logprob", "tokens",
         "probabilities": {"sum", "mean", "char", "unconditional"}}], "chosen": {normalisation: index}, "usage"}
 
-A model scores each choice after the prompt (engines/scoring.py: the prompt is prefilled once and
-every choice scored from its cache); an ensemble (named, or the body's ``ensemble``) combines its
+A model scores each choice after the prompt (engines/scoring.py: a plain model reads the prompt once,
+in one tree-masked forward with every choice); an ensemble (named, or the body's ``ensemble``) combines its
 members' distributions over the choices, or per token for one vocabulary (ensembles/choice_scores.py).
 Unknown fields are refused (400), unlike on the OpenAI routes: this body is chorus's own.
 """
