@@ -49,8 +49,8 @@ class TransformersEngine(SessionEngine):
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        """A plain or MoE model scores the whole prompt in one forward on the runner's thread; model
-        families with their own recurrence (MoDr) step a session through it (the generic way)."""
+        """A plain (or grafted) model scores the whole prompt in one forward on the runner's thread; model
+        families with an observer (MoE expert load, MoDr routing) step a session through it (the generic way)."""
         if not isinstance(self.observer, DenseObserver) or len(ids) < 2:
             return await super().prompt_logprobs(ids, k)
         chosen, top_v, top_i = await self.runner.score(ids, k)
