@@ -2,7 +2,9 @@
 
 An engine turns a `GenerationRequest` into text (`generate`, `stream`) and, where it declares the
 ``"logits"`` capability, opens token-level `Session`s: ``prefill(ids)`` then ``step(token)``, each
-returning next-token logits from the session's own KV cache, and ``close()`` to free it.
+returning next-token logits from the session's own KV cache, ``extend(ids)`` (several tokens in one
+forward, the logits after each: speculative verification, a lagging member's catch-up),
+``rollback(n)`` (forget the last n tokens: rejected proposals) and ``close()`` to free it.
 """
 
 from __future__ import annotations
@@ -147,6 +149,14 @@ class Session(Protocol):
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor: ...
 
     async def step(self, token: int) -> torch.Tensor: ...
+
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Feed several tokens at once: (len(ids), V), row j the logits after ``ids[j]``."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens (0 <= n < length): the cache is as if they were never fed."""
+        ...
 
     def close(self) -> None: ...
 

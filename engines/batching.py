@@ -36,6 +36,11 @@ from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable
 
 log = logging.getLogger("chorus.batching")
 T = TypeVar("T")
+#: most tokens one row feeds in one decode forward (a longer `extend` takes several; the other rows pay
+#: padding columns up to this width, never a whole catch-up's)
+MAX_EXTEND = 16
+#: the fewest hole columns (rolled back in one row, still used by another) worth a compaction
+COMPACT_MIN = 8
 
 
 class BatchedSession:
@@ -47,7 +52,9 @@ class BatchedSession:
         self.options: dict[str, Any] = options or {}
         self.family: Any = None
         self.length = 0  # real tokens in the cache
-        self.pending: int | None = None
+        self.pending: list[int] | None = None  # tokens waiting for the next decode forward(s)
+        self.received: list[torch.Tensor] = []  # logits of the pending tokens fed so far (B, V) rows
+        self.dropping = 0  # tokens rolled back, applied to the batch mask before the next forward
         self.future: asyncio.Future[torch.Tensor] | None = None
         self.joined = False
         self.closed = False
@@ -59,20 +66,40 @@ class BatchedSession:
         return await self._runner.submit_prefill([self], list(ids))
 
     async def step(self, token: int) -> torch.Tensor:
+        return (await self.extend([token]))[-1]
+
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Several tokens in the batch's decode forwards (up to `MAX_EXTEND` a forward): (len(ids), V)."""
         if self.closed:
             raise EngineFailed("session is closed")
         if not self.joined:
             raise InvalidRequest("prefill the session before stepping it")
-        if self.length + 1 > self._runner.max_model_len:
+        if not ids:
+            raise InvalidRequest("extend needs at least one token")
+        if self.length + len(ids) > self._runner.max_model_len:
             raise ContextLengthExceeded(f"session exceeds the context window of {self._runner.max_model_len} tokens")
         loop = asyncio.get_running_loop()
         self.future = loop.create_future()
-        self.pending = int(token)
+        self.pending = [int(t) for t in ids]
+        self.received = []
         self._runner.wake()
         try:
             return await self.future
         finally:
             self.future = None
+            self.received = []
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens: their cache columns are masked out before the next forward (and
+        trimmed once no row uses them), so nothing attends to them again."""
+        if self.closed or not self.joined:
+            raise InvalidRequest("rollback needs an open, prefilled session")
+        if self.future is not None:
+            raise InvalidRequest("rollback while the session is running a forward")
+        if not 0 <= n < self.length:
+            raise InvalidRequest(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+        self.dropping += n
 
     def close(self) -> None:
         if not self.closed:
@@ -177,7 +204,8 @@ class BatchRunner:
             self._wake.clear()
             await self._gather()
             self._drop_closed()
-            decode = [(i, s, s.pending) for i, s in enumerate(self.rows) if s.pending is not None]
+            self._apply_rollbacks()
+            decode = [(i, s, s.pending[:MAX_EXTEND]) for i, s in enumerate(self.rows) if s.pending]
             jobs = self._next_prefills()
             if not decode and not jobs:
                 continue
@@ -198,11 +226,13 @@ class BatchRunner:
                 continue
             self.steps += 1
             delivered = []
-            for (_, s, _), logits in zip(decode, dec_logits):
-                s.pending = None
-                s.length += 1
-                if not s.closed:
-                    _resolve(s.future, logits)
+            for (_, s, fed), logits in zip(decode, dec_logits):
+                s.length += len(fed)
+                rest = s.pending[len(fed):] if s.pending else []
+                s.pending = rest or None
+                s.received.append(logits)
+                if not s.closed and not rest:
+                    _resolve(s.future, torch.cat(s.received) if len(s.received) > 1 else s.received[0])
                     delivered.append(s)
             for job, _ in jobs:
                 if job.logits is None:
@@ -213,7 +243,7 @@ class BatchRunner:
                     _resolve(job.future, job.logits)
                     delivered.extend(job.sessions)
             self._last_delivered = delivered
-            if self.prefills or delivered or any(s.pending is not None for s in self.rows):
+            if self.prefills or delivered or any(s.pending for s in self.rows):
                 self._wake.set()
 
     async def _gather(self) -> None:
@@ -224,7 +254,7 @@ class BatchRunner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.gather_wait_s
         spins = 0
-        while any(s.pending is None and not s.closed for s in waiting):
+        while any(not s.pending and not s.closed for s in waiting):
             if loop.time() > deadline:
                 break
             spins += 1
@@ -297,6 +327,48 @@ class BatchRunner:
         self.cache = cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
                                   for l in self.cache.growing])
 
+    @torch.inference_mode()  # the mask and cache are inference tensors: edited in place only in this mode
+    def _apply_rollbacks(self) -> None:
+        """Mask out the columns of rolled-back tokens (each row's last real ones), then trim the columns at
+        the end that no row uses any more (at batch size 1: the cache is exactly the session's tokens)."""
+        rolled = [(r, s.dropping) for r, s in enumerate(self.rows) if s.dropping]
+        if not rolled or self.mask is None or self.cache is None:
+            return
+        for r, n in rolled:
+            real = self.mask[r].nonzero()[:, 0]
+            self.mask[r, real[len(real) - n :]] = 0
+            self.rows[r].dropping = 0
+        used = (self.mask.sum(0) > 0).nonzero()
+        end = int(used[-1]) + 1 if len(used) else 0
+        if end < self.mask.shape[1]:
+            self.mask = self.mask[:, :end]
+            for layer in self.cache.growing:
+                layer.crop(end)
+        self._compact()
+
+    def _compact(self) -> None:
+        """When rolled-back holes make the batch much wider than its longest row, pack each row's real
+        columns to the right of a cache that wide (one copy of the cache; rare: rollbacks are short)."""
+        if self.mask is None or self.cache is None:
+            return
+        lens = self.mask.sum(1)
+        b, t, width = self.mask.shape[0], self.mask.shape[1], int(lens.max())
+        if t - width < max(COMPACT_MIN, t // 4):
+            return
+        idx = torch.zeros(b, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(b, width, dtype=self.mask.dtype, device=self.device)
+        for r in range(b):
+            real = self.mask[r].nonzero()[:, 0]
+            idx[r, width - len(real) :] = real
+            mask[r, width - len(real) :] = 1
+        layers = []
+        for layer in self.cache.growing:
+            k, v = layer.keys, layer.values
+            gk = idx[:, None, :, None].expand(b, k.shape[1], width, k.shape[3])
+            gv = idx[:, None, :, None].expand(b, v.shape[1], width, v.shape[3])
+            layers.append((k.gather(2, gk), v.gather(2, gv)))
+        self.cache, self.mask = cache_from(layers), mask
+
     def _reset_batch(self, err: Exception) -> None:
         for s in self.rows:
             _resolve(s.future, err)
@@ -310,27 +382,30 @@ class BatchRunner:
 
     # ---- forward passes (worker thread) ----
     @torch.inference_mode()
-    def _forward(self, decode: list[tuple[int, int]], jobs: list[tuple[_Prefill, int]]) -> list[torch.Tensor]:
+    def _forward(self, decode: list[tuple[int, list[int]]], jobs: list[tuple[_Prefill, int]]) -> list[torch.Tensor]:
+        """One decode forward for every row (row r feeds its tokens left-aligned in W columns; rows with fewer
+        or none get masked padding columns) and this step's prefill work. Returns (n_r, V) logits per row."""
         out: list[torch.Tensor] = []
         if decode:
             assert self.cache is not None and self.mask is not None
-            b = len(self.rows)
-            ids = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-            col = torch.zeros(b, 1, dtype=torch.long, device=self.device)
-            rows = torch.tensor([r for r, _ in decode], device=self.device)
-            ids[rows, 0] = torch.tensor([t for _, t in decode], device=self.device)
-            col[rows, 0] = 1
-            mask = torch.cat([self.mask, col], 1)  # (B, T+1)
-            pos = torch.tensor([[s.length] for s in self.rows], device=self.device)  # (B, 1)
-            attn = self._attention_mask(pos, mask.cumsum(1) - 1, mask.bool())  # real position of each column
+            b, w = len(self.rows), max(len(t) for _, t in decode)
+            ids = torch.zeros(b, w, dtype=torch.long, device=self.device)
+            col = torch.zeros(b, w, dtype=torch.long, device=self.device)
+            lens = [0] * b
             served: list[BatchedSession | None] = [None] * b
-            for r, _ in decode:
+            for r, tokens in decode:
+                ids[r, : len(tokens)] = torch.tensor(tokens, device=self.device)
+                col[r, : len(tokens)] = 1
+                lens[r] = len(tokens)
                 served[r] = self.rows[r]
-            res = self._observed(served, [int(s is not None) for s in served], 1, input_ids=ids, attention_mask=attn,
+            mask = torch.cat([self.mask, col], 1)  # (B, T+W)
+            pos = torch.tensor([[s.length] for s in self.rows], device=self.device) + torch.arange(w, device=self.device)
+            attn = self._attention_mask(pos, mask.cumsum(1) - 1, mask.bool())  # real position of each column
+            res = self._observed(served, lens, w, input_ids=ids, attention_mask=attn,
                                  position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
             self.mask = mask
-            logits = res.logits[:, -1, :].float()  # (B, V)
-            out = list(logits.index_select(0, rows).cpu().unbind(0))
+            logits = res.logits.float()  # (B, W, V)
+            out = [logits[r, : len(tokens)].cpu() for r, tokens in decode]
         if len(jobs) == 1:
             self._prefill_chunk(*jobs[0])
         elif jobs:

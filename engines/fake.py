@@ -92,11 +92,22 @@ class FakeSession:
         self._ids.append(token)
         return await self._logits()
 
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Several tokens in one (scripted) forward: one delay, one step counted."""
+        self._ids.extend(int(t) for t in ids)
+        return await self._logits(len(ids))
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n < len(self._ids):
+            raise EngineFailed(f"cannot roll back {n} of {len(self._ids)} tokens")
+        del self._ids[len(self._ids) - n :]
+
     def close(self) -> None:
         self._closed = True
         self._engine._open.discard(self)
 
-    async def _logits(self) -> torch.Tensor:
+    async def _logits(self, rows: int = 0) -> torch.Tensor:
+        """The next-token logits after the text so far (``rows``: after each of the last ``rows`` tokens)."""
         eng = self._engine
         if self._closed:
             raise EngineFailed("session is closed")
@@ -106,13 +117,20 @@ class FakeSession:
         if eng.fail_after is not None and eng.steps > eng.fail_after:
             raise RuntimeError("scripted engine failure")
         await asyncio.sleep(eng.delay)
+        if rows:
+            return torch.stack([self._after(len(self._ids) - rows + 1 + j) for j in range(rows)])
+        return self._after(len(self._ids))
+
+    def _after(self, n: int) -> torch.Tensor:
+        """The logits after the first ``n`` ids."""
+        eng = self._engine
         tok = eng.tokenizer
         logits = torch.zeros(tok.vocab_size)
-        produced = len(self._ids) - self._prompt_len
+        produced = n - self._prompt_len
         if self._script is not None:
             nxt = tok.encode(self._script[produced])[0] if produced < len(self._script) else tok.eos_id
         else:
-            last = tok.vocab[self._ids[-1]] if self._ids else "a"
+            last = tok.vocab[self._ids[n - 1]] if n else "a"
             nxt = tok.encode(chr((ord(last) - 97 + 1) % 26 + 97))[0] if last.isalpha() else tok.encode("a")[0]
         logits[nxt] = eng.sharpness
         # a second-best token so sampling at high temperature has something to choose

@@ -80,28 +80,43 @@ class RemoteSession:
         self.ids.append(int(token))
         return await self.engine.next_token_logprobs(self.ids)
 
+    async def extend(self, ids: Any) -> torch.Tensor:
+        """Each new prefix asked at once (the server batches them; its prefix cache shares the work)."""
+        start = len(self.ids)
+        self.ids.extend(int(t) for t in ids)
+        rows = await asyncio.gather(*(self.engine.next_token_logprobs(self.ids[: start + j + 1])
+                                      for j in range(len(self.ids) - start)))
+        return torch.stack(rows)
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n < len(self.ids):
+            raise InvalidRequest(f"cannot roll back {n} of {len(self.ids)} tokens")
+        del self.ids[len(self.ids) - n :]
+
     def close(self) -> None:
         self.ids = []
 
 
 def sessions_url(replica: Replica) -> str:
-    """A chorus worker's session API sits at its root, beside ``/v1``."""
-    return replica.url.removesuffix("/v1") + "/chorus/v1/sessions"
+    """A chorus worker's session API (version 2) sits at its root, beside ``/v1``."""
+    return replica.url.removesuffix("/v1") + "/chorus/v2/sessions"
 
 
 class WorkerSession:
-    """An exact token-level session on a chorus worker (``/chorus/v1/sessions``, server/sessions.py).
+    """An exact token-level session on a chorus worker (``/chorus/v2/sessions``, server/sessions.py).
 
     The prefill picks a replica (retrying others while they fail) and the session stays on it: its KV
-    cache lives there, so a failure after the prefill ends the session (``EngineFailed``). ``close()``
-    sends the DELETE in the background; a session the gateway never closes is freed by the worker's
-    idle timeout."""
+    cache lives there, so a failure after the prefill ends the session (``EngineFailed``). A step, an
+    ``extend`` (several tokens, one request, one forward there) and a ``rollback`` (sent with the next
+    step) map onto the v2 step. ``close()`` sends the DELETE in the background; a session the gateway
+    never closes is freed by the worker's idle timeout."""
 
     def __init__(self, engine: RemoteEngine) -> None:
         self.engine = engine
         self.replica: Replica | None = None
         self.id: str | None = None
         self.length = 0
+        self.dropping = 0  # rolled back here, sent with the next step
 
     async def prefill(self, ids: Any) -> torch.Tensor:
         engine = self.engine
@@ -113,16 +128,30 @@ class WorkerSession:
         return decode_next(data["next"], engine.tokenizer.vocab_size)
 
     async def step(self, token: int) -> torch.Tensor:
+        return (await self.extend([token]))[-1]
+
+    async def extend(self, ids: Any) -> torch.Tensor:
         if self.replica is None or self.id is None:
             raise InvalidRequest("prefill the session before stepping it")
+        tokens = [int(t) for t in ids]
+        body: dict[str, Any] = {"tokens": tokens}
+        if self.dropping:
+            body["rollback"] = self.dropping
         try:
-            data = await self.engine.call(self.replica, "POST", f"{sessions_url(self.replica)}/{self.id}/step",
-                                          {"token": int(token)})
+            data = await self.engine.call(self.replica, "POST", f"{sessions_url(self.replica)}/{self.id}/step", body)
         except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
             self.engine.pool.failed(self.replica, f"{type(exc).__name__}: {exc}")
             raise EngineFailed(f"{self.engine.name}: the worker holding the session failed: {exc}") from exc
-        self.length += 1
-        return decode_next(data["next"], self.engine.tokenizer.vocab_size)
+        self.dropping = 0
+        self.length += len(tokens)
+        vocab = self.engine.tokenizer.vocab_size
+        return torch.stack([decode_next(d, vocab) for d in data["next"]])
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n < self.length:
+            raise InvalidRequest(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+        self.dropping += n
 
     def close(self) -> None:
         if self.replica is None or self.id is None:

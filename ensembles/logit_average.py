@@ -15,17 +15,27 @@ different vocabularies).
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Literal
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, Session, TokenLogprob
+from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, check_context
 from chorus.engines.scoring import mixture_logprob
 from chorus.ensembles.base import Call, Strategy, gather
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
-from chorus.ensembles.stepping import normalised_weights, step_members
+from chorus.ensembles.metrics import (
+    SPECULATIVE_ACCEPTED,
+    SPECULATIVE_PROPOSED,
+    TOKEN_CATCH_UP,
+    TOKEN_CONSULTED,
+    TOKEN_POSITIONS,
+)
+from chorus.ensembles.selective import SelectiveSession
+from chorus.ensembles.speculative import SpeculativeSession
+from chorus.ensembles.stepping import EnsembleStats, mix, normalised_weights, step_members
 from chorus.ensembles.topk_union import TopkUnion
 from chorus.errors import CapabilityMismatch, InvalidRequest
 
@@ -33,22 +43,28 @@ SPACES = ("probability", "logit")
 
 
 class AveragedSession:
-    """One sequence of the ensemble: one session per member, stepped together.
+    """One sequence of the ensemble (``mode: full``): one session per member, stepped together.
 
     A member that fails raises `MemberFailed` naming it, or (``skip``) is dropped and the remaining
-    weights renormalised; ``on_drop(label, error)`` reports it.
+    weights renormalised; ``on_drop(label, error)`` reports it. ``prompts``: each member's own prompt
+    (a prompt ensemble: members with their own system messages); otherwise all read the same ids.
     """
 
     def __init__(self, members: list[Session], weights: torch.Tensor, space: str, vocab: int,
                  labels: list[str], skip: bool = False,
                  on_close: Callable[[AveragedSession], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
+                 on_drop: Callable[[str, str], None] | None = None, *, temperature: float = 1.0,
+                 prompts: list[list[int]] | None = None, stats: EnsembleStats | None = None) -> None:
         self.members = members
         self.weights = weights  # (M,)
         self.space = space
         self.vocab = vocab
         self.labels = labels
         self.skip = skip
+        self.temperature = temperature
+        self.prompts = prompts
+        self.stats = stats if stats is not None else EnsembleStats(labels)
+        self.index = list(range(len(members)))  # each remaining member's place in the stats
         self._on_close = on_close
         self._on_drop = on_drop
 
@@ -57,28 +73,40 @@ class AveragedSession:
         return self.members[0].length
 
     def combine(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
-        z = torch.stack([x[: self.vocab].float() for x in logits])  # (M, V)
-        if self.space == "logit":
-            return (self.weights[:, None] * z).sum(0)
-        p = (self.weights[:, None] * torch.softmax(z, dim=-1)).sum(0)  # (V,)
-        return torch.log(p.clamp_min(1e-30))  # log-probabilities: sampling acts on p itself
+        return mix(logits, self.weights, self.space, self.vocab, self.temperature)
 
-    async def _all(self, calls: list[Awaitable[torch.Tensor]]) -> torch.Tensor:
+    async def _all(self, calls: list[Awaitable[torch.Tensor]]) -> list[torch.Tensor]:
         keep, results = await step_members(calls, self.labels, self.skip, self._on_drop)
         if len(keep) < len(self.members):
             for i in set(range(len(self.members))) - set(keep):
                 self.members[i].close()
             self.members = [self.members[i] for i in keep]
             self.labels = [self.labels[i] for i in keep]
-            w = self.weights[keep]
-            self.weights = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1 / len(keep))
-        return self.combine(results)
+            self.index = [self.index[i] for i in keep]
+            self.weights = self.weights[keep]
+        return results
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        return await self._all([m.prefill(ids) for m in self.members])
+        prompts = self.prompts if self.prompts is not None else [list(ids)] * len(self.members)
+        out = self.combine(await self._all([m.prefill(p) for m, p in zip(self.members, prompts)]))
+        self.stats.positions += 1
+        self.stats.consulted += 1
+        return out
 
     async def step(self, token: int) -> torch.Tensor:
-        return await self._all([m.step(token) for m in self.members])
+        return (await self.extend([token]))[-1]
+
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        rows = await self._all([m.extend(ids) for m in self.members])
+        for i in self.index:
+            self.stats.fed[i] += len(ids)
+        self.stats.positions += len(ids)
+        self.stats.consulted += len(ids)
+        return torch.stack([self.combine([r[j] for r in rows]) for j in range(len(ids))])
+
+    def rollback(self, n: int) -> None:
+        for m in self.members:
+            m.rollback(n)
 
     def close(self) -> None:
         for m in self.members:
@@ -87,12 +115,21 @@ class AveragedSession:
             self._on_close(self)
 
 
+MODES = ("full", "selective", "speculative")
+
+
 class LogitAverage(SessionEngine):
+    """Members over one vocabulary, combined token by token; itself an engine. ``mode``: ``full`` (every
+    member every token), ``selective`` (`SelectiveSession`), ``speculative`` (`SpeculativeSession`).
+    ``tally`` sums what this engine's sessions did (an ensemble request builds its own engine)."""
+
     requires = frozenset({LOGITS})
 
     def __init__(self, members: list[Engine], weights: Sequence[float] | None = None,
                  space: str = "probability", name: str = "logit_average", labels: list[str] | None = None,
-                 skip: bool = False, on_drop: Callable[[str, str], None] | None = None) -> None:
+                 skip: bool = False, on_drop: Callable[[str, str], None] | None = None, *, mode: str = "full",
+                 lead: int = 0, gate_by: str = "top1", gate: float = 0.5, k: int = 4,
+                 temperature: float = 1.0, prompts: list[list[int]] | None = None) -> None:
         if len(members) < 2:
             raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
         self.labels = labels or [m.name for m in members]
@@ -114,19 +151,27 @@ class LogitAverage(SessionEngine):
                 param="ensemble.members")
         if space not in SPACES:
             raise InvalidRequest(f"'space' must be one of {', '.join(SPACES)}.", param="ensemble.space")
+        if mode not in MODES:
+            raise InvalidRequest(f"'mode' must be one of {', '.join(MODES)}.", param="ensemble.mode")
+        if not 0 <= lead < len(members):
+            raise InvalidRequest(f"'lead' must name one of the {len(members)} members.", param="ensemble.lead")
         self.name = name
         self.members = members
         self.weights = normalised_weights(weights, len(members))
         self.space = space
         self.skip = skip
         self.on_drop = on_drop
+        self.mode, self.lead, self.gate_by, self.gate, self.k = mode, lead, gate_by, gate, k
+        self.temperature = temperature
+        self.prompts = prompts
+        self.tally = EnsembleStats(self.labels, mode)
         self.tokenizer = members[0].tokenizer
         self.sampling_defaults = dict(members[0].sampling_defaults)
         self.max_model_len = min(m.max_model_len for m in members)
         self.vocab = self.tokenizer.vocab_size
-        self._open: set[AveragedSession] = set()
+        self._open: set[Session] = set()
 
-    def open_session(self) -> AveragedSession:
+    def _member_sessions(self) -> list[Session]:
         sessions: list[Session] = []
         try:
             for m in self.members:
@@ -135,14 +180,42 @@ class LogitAverage(SessionEngine):
             for s in sessions:
                 s.close()
             raise
-        session = AveragedSession(sessions, self.weights, self.space, self.vocab, list(self.labels), self.skip,
-                                  on_close=self._open.discard, on_drop=self.on_drop)
+        return sessions
+
+    def open_session(self) -> Session:
+        return self._open_session(self.mode)
+
+    def _open_session(self, mode: str) -> Session:
+        sessions = self._member_sessions()
+        session: Session
+        if mode == "selective":
+            session = SelectiveSession(sessions, lead=self.lead, gate_by=self.gate_by, gate=self.gate, **self._common())
+        elif mode == "speculative":
+            session = SpeculativeSession(sessions, lead=self.lead, k=self.k, max_len=self.max_model_len,
+                                         eos=self.tokenizer.eos_token_ids, **self._common())
+        else:
+            session = AveragedSession(sessions, self.weights, self.space, self.vocab, list(self.labels), self.skip,
+                                      self._open.discard, self.on_drop, temperature=self.temperature,
+                                      prompts=self.prompts, stats=self.tally)
         self._open.add(session)
         return session
+
+    def _common(self) -> dict[str, Any]:
+        return {"weights": self.weights, "space": self.space, "vocab": self.vocab, "labels": list(self.labels),
+                "stats": self.tally, "temperature": self.temperature, "prompts": self.prompts, "skip": self.skip,
+                "on_close": self._open.discard, "on_drop": self.on_drop}
 
     @property
     def active_sessions(self) -> int:
         return len(self._open)
+
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+        """The full mixture's logprobs whatever the mode (selective and speculative sample, not score)."""
+        mode, self.mode = self.mode, "full"
+        try:
+            return await super().prompt_logprobs(ids, k)
+        finally:
+            self.mode = mode
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         """Probability space: each member scores the continuations its own (fastest) way and each token's
@@ -163,11 +236,43 @@ class LogitAverageParams(BaseModel):
     align: Literal["vocab", "topk_union"] = Field(
         default="vocab", description="vocab: members share one vocabulary; topk_union: UniTE over token strings")
     top_k: int = Field(default=10, ge=1, le=100, description="topk_union: tokens each member proposes per step")
+    mode: Literal["full", "selective", "speculative"] = Field(
+        default="full", description="full: every member every token; selective: the lead decodes, the others "
+        "are consulted where it is unsure; speculative: the lead drafts k tokens, the others verify them")
+    lead: int | str | None = Field(default=None, description="selective / speculative: the member that decodes "
+                                   "(its label or index); default the first")
+    gate_by: Literal["top1", "entropy"] | None = Field(
+        default=None, description="selective: consult when the lead's top-1 probability is below the gate "
+        "(top1, the default) or its entropy in nats above it (entropy)")
+    gate: float | None = Field(default=None, gt=0.0, description="selective: the threshold (default 0.5 for "
+                               "top1, 1.0 for entropy)")
+    k: int | None = Field(default=None, ge=1, le=16, description="speculative: tokens drafted per round (default 4)")
+    mixture_temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="divides the combined "
+                                       "log-probabilities where members are combined (< 1 sharpens)")
+
+    @model_validator(mode="after")
+    def _mode_options(self) -> LogitAverageParams:
+        for name, modes in OPTION_MODES.items():
+            if getattr(self, name) is not None and self.mode not in modes:
+                raise ValueError(f"'{name}' applies to mode {' or '.join(modes)}, not {self.mode!r}")
+        if self.gate_by != "entropy" and self.gate is not None and self.gate > 1:
+            raise ValueError("a top1 gate is a probability: at most 1")
+        if self.align == "topk_union" and self.mode != "full":
+            raise ValueError(f"mode {self.mode!r} needs one shared vocabulary (align: vocab); topk_union "
+                             "ensembles run in mode 'full'")
+        return self
+
+
+#: the mode-specific options and the modes they apply to (given for another mode: 400, never ignored)
+OPTION_MODES = {"gate": ("selective",), "gate_by": ("selective",), "k": ("speculative",),
+                "lead": ("selective", "speculative")}
 
 
 class LogitAverageStrategy(Strategy):
     """``logit_average``: token-level ensemble; streams tokens as they are chosen. Members need full logits,
-    or (remote members) top-k logprobs: then the average is over their top-k and the trace says so."""
+    or (remote members) top-k logprobs: then the average is over their top-k and the trace says so.
+    A member may carry its own ``system`` prompt (a prompt ensemble: each member's session reads its own
+    rendered prompt, and they combine token by token as usual)."""
 
     requires = frozenset()  # LOGITS or TOPK_LOGITS, checked by the engines below
     Params = LogitAverageParams
@@ -176,27 +281,58 @@ class LogitAverageStrategy(Strategy):
 
     def check(self) -> None:
         own = [m.label for m in self.members
-               if m.spec.system is not None or m.spec.temperature is not None or m.spec.top_p is not None
-               or m.spec.seed is not None]
+               if m.spec.temperature is not None or m.spec.top_p is not None or m.spec.seed is not None]
         if own:
             raise InvalidRequest(
-                "logit_average feeds one prompt to every member and samples once from the combined "
-                f"distribution; per-member system / temperature / top_p / seed are not allowed (members: "
-                f"{', '.join(own)}). Use 'weights' to favour a member.", param="ensemble.members")
+                "logit_average samples once from the combined distribution; per-member temperature / top_p / "
+                f"seed are not allowed (members: {', '.join(own)}). Use 'weights' to favour a member.",
+                param="ensemble.members")
+        if self.params.align == "topk_union" and self.personas:
+            raise InvalidRequest("per-member system prompts need align: vocab (topk_union renders one prompt per "
+                                 "member's own template already, from the request's messages).",
+                                 param="ensemble.members")
+        self.lead_index()
         self.engine(skip=False)
 
-    def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None) -> LogitAverage | TopkUnion:
+    @property
+    def personas(self) -> bool:
+        return any(m.spec.system is not None for m in self.members)
+
+    def lead_index(self) -> int:
+        lead = self.params.lead
+        if lead is None:
+            return 0
+        if isinstance(lead, int):
+            if not 0 <= lead < len(self.members):
+                raise InvalidRequest(f"'lead' {lead} is not a member index (0..{len(self.members) - 1}).",
+                                     param="ensemble.lead")
+            return lead
+        for m in self.members:
+            if m.label == lead:
+                return m.index
+        raise InvalidRequest(f"'lead' {lead!r} is not a member; members: {', '.join(m.label for m in self.members)}.",
+                             param="ensemble.lead")
+
+    def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None,
+               prompts: list[list[int]] | None = None) -> LogitAverage | TopkUnion:
         engines = [m.engine for m in self.members]
         labels = [m.label for m in self.members]
         p = self.params
         if p.align == "topk_union":
             return TopkUnion(engines, p.weights, p.top_k, labels=labels, skip=skip, on_drop=on_drop)
-        return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop)
+        gate_by = p.gate_by or "top1"
+        gate = p.gate if p.gate is not None else (1.0 if gate_by == "entropy" else 0.5)
+        return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop, mode=p.mode,
+                            lead=self.lead_index(), gate_by=gate_by, gate=gate, k=p.k or 4,
+                            temperature=p.mixture_temperature, prompts=prompts)
 
     async def prompt_logprobs(self, call: Call, k: int) -> tuple[list[str], list[TokenLogprob | None]]:
         """The mixture's logprob of each prompt token (shared vocabulary: every member steps the same ids)."""
         if self.params.align == "topk_union":
             return await super().prompt_logprobs(call, k)
+        if self.personas:
+            raise InvalidRequest("members with their own system prompts read different prompts: there is no one "
+                                 "prompt to score ('echo' with 'logprobs').", param="echo")
         req = call.request(self.members[0])
         engine = self.engine(skip=False)
         assert isinstance(engine, LogitAverage)
@@ -208,11 +344,13 @@ class LogitAverageStrategy(Strategy):
     async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
         """One vocabulary: by default per token (the mixture's logprob of each choice token, from one shared
         tokenization), then normalised like one model's; ``combine: probabilities`` averages the members'
-        distributions over the choices instead (always, with ``align: topk_union``)."""
-        if self.params.align == "topk_union" or combine == "probabilities":
+        distributions over the choices instead (always, with ``align: topk_union``, and with members that carry
+        their own system prompts: each scores under its own prompt)."""
+        if self.params.align == "topk_union" or combine == "probabilities" or self.personas:
             if combine == "tokens":
-                raise InvalidRequest("combine 'tokens' needs members that share one vocabulary (align: vocab); "
-                                     "with topk_union use 'probabilities'.", param="combine")
+                why = "members with their own system prompts" if self.personas else "topk_union"
+                raise InvalidRequest(f"combine 'tokens' needs one shared prompt and vocabulary; with {why} use "
+                                     "'probabilities'.", param="combine")
             return await super().score_choices(call, question, "probabilities")
         engine = self.engine(skip=False)
         assert isinstance(engine, LogitAverage)
@@ -224,8 +362,10 @@ class LogitAverageStrategy(Strategy):
         return answer
 
     def precheck(self, call: Call) -> None:
-        req = call.request(self.members[0])
-        check_context(len(req.prompt_ids), req.params, min(m.engine.max_model_len for m in self.members))
+        limit = min(m.engine.max_model_len for m in self.members)
+        for m in self.members if self.personas else self.members[:1]:
+            req = call.request(m)
+            check_context(len(req.prompt_ids), req.params, limit)
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         dropped: list[str] = []
@@ -234,28 +374,54 @@ class LogitAverageStrategy(Strategy):
             dropped.append(label)
             call.trace.setdefault("errors", []).append({"member": label, "error": error})
 
-        engine = self.engine(call.on_member_error == "skip", on_drop)
+        reqs = [call.request(m) for m in self.members]
+        prompts = [r.prompt_ids for r in reqs] if self.personas else None
+        engine = self.engine(call.on_member_error == "skip", on_drop, prompts)
         call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,
                            "align": self.params.align})
         if isinstance(engine, TopkUnion):
             call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
                                   "distributions")
-            reqs = [call.request(m) for m in self.members]
             deltas = engine.stream_requests(reqs)
         else:
             if engine.approximate:
                 call.trace["note"] = (f"approximate: {', '.join(engine.approximate)} served remotely give only their "
                                       "top-k logprobs; other tokens count as probability 0 for them")
-            reqs = [call.request(self.members[0])] * len(self.members)
-            deltas = engine.stream(reqs[0])
-        produced = 0
+            if prompts is None:
+                reqs = [reqs[0]] * len(self.members)
+            lead = reqs[engine.lead]
+            params = lead.params
+            if params.max_tokens is None:  # up to the context window: the member with the longest prompt's
+                params = replace(params, max_tokens=min(engine.max_model_len - len(r.prompt_ids) for r in reqs))
+            deltas = engine.stream(GenerationRequest(lead.prompt_ids, params, extra_stop=tuple(
+                dict.fromkeys(s for r in reqs for s in r.extra_stop))))
         try:
             async for d in deltas:
-                produced += len(d.token_ids)
                 yield d
         finally:
             await deltas.aclose()
-            fed = engine.fed if isinstance(engine, TopkUnion) else None
-            for i, m in enumerate(self.members):
-                if m.label not in dropped:
-                    call.record(m, len(reqs[i].prompt_ids), fed[i] if fed is not None else produced)
+            if isinstance(engine, TopkUnion):
+                for i, m in enumerate(self.members):
+                    if m.label not in dropped:
+                        call.record(m, len(reqs[i].prompt_ids), engine.fed[i])
+            else:
+                self.account(call, engine, reqs, dropped)
+
+    def account(self, call: Call, engine: LogitAverage, reqs: list[GenerationRequest], dropped: list[str]) -> None:
+        """Usage per member is what it computed: its prompt and the distributions after it (the first from the
+        prompt, then one per token it read, drafts included; a selective member never consulted: nothing). The trace and
+        Prometheus get the mode's figures: positions, where members were combined, catch-up, proposals."""
+        stats = engine.tally
+        for i, m in enumerate(self.members):
+            if m.label not in dropped:
+                call.record(m, len(reqs[i].prompt_ids) if stats.prompted[i] else 0, stats.fed[i] + stats.prompted[i])
+        call.trace["token_ensemble"] = stats.as_trace()
+        mode = stats.mode
+        TOKEN_POSITIONS.labels(call.ensemble, mode).inc(stats.positions)
+        TOKEN_CONSULTED.labels(call.ensemble, mode).inc(stats.consulted)
+        if mode == "selective":
+            for m, n in zip(self.members, stats.catch_up):
+                TOKEN_CATCH_UP.labels(call.ensemble, m.label).inc(n)
+        if mode == "speculative":
+            SPECULATIVE_PROPOSED.labels(call.ensemble).inc(stats.proposed)
+            SPECULATIVE_ACCEPTED.labels(call.ensemble).inc(stats.accepted)

@@ -17,3 +17,15 @@ ENSEMBLE_REQUESTS = Counter(
     "chorus_ensemble_requests_total", "Requests answered by an ensemble strategy", ["ensemble", "strategy"])
 MEMBER_CALLS = Counter(
     "chorus_member_calls_total", "Ensemble member calls by outcome (ok / failed)", ["ensemble", "member", "outcome"])
+TOKEN_POSITIONS = Counter(
+    "chorus_token_ensemble_positions_total", "Tokens decoded by token-level ensembles, per mode", ["ensemble", "mode"])
+TOKEN_CONSULTED = Counter(
+    "chorus_token_ensemble_consulted_total",
+    "Of those, positions where the members were combined (selective: where the gate fired)", ["ensemble", "mode"])
+TOKEN_CATCH_UP = Counter(
+    "chorus_token_ensemble_catch_up_tokens_total",
+    "Tokens a selective ensemble's member read in catch-up chunks when consulted", ["ensemble", "member"])
+SPECULATIVE_PROPOSED = Counter(
+    "chorus_speculative_proposed_total", "Tokens a speculative ensemble's lead drafted", ["ensemble"])
+SPECULATIVE_ACCEPTED = Counter(
+    "chorus_speculative_accepted_total", "Drafted tokens the ensemble's sampled output matched", ["ensemble"])

@@ -1,11 +1,14 @@
-"""Token-level stepping shared by the two logit-averaging modes (``logit_average.py`` for one shared
-vocabulary, ``topk_union.py`` across vocabularies): member weights, and one step of every member
-with failures named or dropped."""
+"""Token-level stepping shared by the logit-averaging modes (``logit_average.py`` for one shared
+vocabulary, ``topk_union.py`` across vocabularies, ``selective.py`` and ``speculative.py``): member
+weights, the mixture of next-token distributions, what a request's token ensemble cost
+(`EnsembleStats`), and one step of every member with failures named or dropped."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +19,56 @@ from chorus.errors import InvalidRequest, MemberFailed
 
 def normalised_weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
     return torch.tensor(member_weights(weights, n), dtype=torch.float32)
+
+
+def mix(logits: Sequence[torch.Tensor], weights: torch.Tensor, space: str, vocab: int,
+        temperature: float = 1.0) -> torch.Tensor:
+    """The members' next-token distributions combined with ``weights`` (normalised over these members):
+    probability space gives ``log sum_i w_i softmax(z_i)`` (log-probabilities: sampling acts on that
+    mixture itself), logit space ``sum_i w_i z_i``. ``temperature`` < 1 sharpens the result."""
+    z = torch.stack([x[:vocab].float() for x in logits])  # (M, V)
+    w = weights / weights.sum()
+    if space == "logit":
+        out = (w[:, None] * z).sum(0)
+    else:
+        out = torch.log((w[:, None] * torch.softmax(z, dim=-1)).sum(0).clamp_min(1e-30))
+    return out if temperature == 1.0 else out / temperature
+
+
+@dataclass
+class EnsembleStats:
+    """What one request's token ensemble did: positions decoded, positions where the members were
+    combined (consulted), tokens each member was fed, speculative proposals made and accepted."""
+
+    labels: list[str]
+    mode: str = "full"
+    positions: int = 0
+    consulted: int = 0
+    fed: list[int] = field(default_factory=list)
+    catch_up: list[int] = field(default_factory=list)  # tokens fed in a lagging member's catch-up chunks
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    rolled_back: list[int] = field(default_factory=list)
+    prompted: list[bool] = field(default_factory=list)  # whether the member read its prompt at all
+
+    def __post_init__(self) -> None:
+        n = len(self.labels)
+        self.fed, self.catch_up, self.rolled_back = [0] * n, [0] * n, [0] * n
+        self.prompted = [self.mode != "selective"] * n
+
+    def as_trace(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode, "positions": self.positions, "consulted": self.consulted,
+                               "ensembled_share": round(self.consulted / self.positions, 4) if self.positions else 0.0,
+                               "fed": dict(zip(self.labels, self.fed))}
+        if self.mode == "selective":
+            out["catch_up"] = dict(zip(self.labels, self.catch_up))
+        if self.mode == "speculative":
+            out.update(proposed=self.proposed, accepted=self.accepted, rounds=self.rounds,
+                       acceptance=round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
+                       mean_accepted=round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
+                       rolled_back=dict(zip(self.labels, self.rolled_back)))
+        return out
 
 
 
@@ -39,3 +92,26 @@ async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequenc
             on_drop(labels[i], message(r))
     keep = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
     return keep, [results[i] for i in keep]  # type: ignore[misc]
+
+
+class LeadSessionBase:
+    """What the selective and speculative sessions share: they are driven token by token by the decode loop
+    (``extend`` steps each token), cannot be rolled back themselves, and close every member's session."""
+
+    members: list[Any]
+    _on_close: Callable[[Any], None] | None
+
+    async def step(self, token: int) -> torch.Tensor:  # pragma: no cover - each mode implements it
+        raise NotImplementedError
+
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.stack([await self.step(t) for t in ids])
+
+    def rollback(self, n: int) -> None:
+        raise InvalidRequest(f"a {type(self).__name__} cannot roll back")
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+        if self._on_close is not None:
+            self._on_close(self)

@@ -26,6 +26,7 @@ from chorus.server.metrics import watch_engines
 from chorus.server.routes import router
 from chorus.server.sessions import SessionStore
 from chorus.server.sessions import router as sessions_router
+from chorus.server.sessions import router_v2 as sessions_router_v2
 
 log = logging.getLogger("chorus.server")
 
@@ -71,6 +72,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     errors.install(app)
     app.include_router(router)
     app.include_router(sessions_router)
+    app.include_router(sessions_router_v2)
     app.include_router(choices_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)

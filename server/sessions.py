@@ -1,4 +1,4 @@
-"""Token-level sessions over HTTP (version 1): what a gateway needs to run logit averaging on a worker.
+"""Token-level sessions over HTTP (versions 1 and 2): what a gateway needs to run logit averaging on a worker.
 
 A chorus worker exposes its engines' sessions so that a gateway elsewhere can average members token
 by token with their exact next-token logits (``remote.token_api: chorus`` on the gateway side)::
@@ -15,6 +15,15 @@ is one KV cache in the engine's batch (it batches with everything else); it is c
 freed once idle for ``server.sessions.idle_timeout_s``; at most ``server.sessions.max_open`` are open.
 Errors use the OpenAI envelope: an unknown or expired session is 404 ``session_not_found``, a step
 while the previous one is still running 409 ``session_busy``, too many sessions 429.
+
+Version 2 (``/chorus/v2/sessions``, same open / list / delete) makes a step carry several tokens and a
+rollback, for speculative and selective token ensembles::
+
+    POST   /chorus/v2/sessions/{id}/step    {"rollback": n?, "tokens": [ids], "top_k"?}
+        -> 200 session + "next": [one distribution after each token]
+
+``rollback`` first forgets the session's last n tokens (rejected proposals), then ``tokens`` are fed in
+one forward (a lagging member's catch-up, a proposal's verification). v1 stays as it was.
 """
 
 from __future__ import annotations
@@ -43,8 +52,9 @@ from chorus.server.accounting import served_by
 from chorus.server.routes import resolve
 
 log = logging.getLogger("chorus.sessions")
-API_VERSION = "1"
+API_VERSION = "2"  # the newest this worker speaks (the header on every response); v1 paths stay served
 router = APIRouter(prefix="/chorus/v1/sessions")
+router_v2 = APIRouter(prefix="/chorus/v2/sessions")
 
 
 class OpenBody(BaseModel):
@@ -59,6 +69,14 @@ class StepBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token: int = Field(ge=0)
+    top_k: int | None = Field(default=None, ge=1, le=1000)
+
+
+class StepBodyV2(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] = Field(default_factory=list, max_length=512, description="fed in order, one forward")
+    rollback: int = Field(default=0, ge=0, description="tokens to forget before feeding `tokens`")
     top_k: int | None = Field(default=None, ge=1, le=1000)
 
 
@@ -172,23 +190,49 @@ async def open_session(body: OpenBody, request: Request, response: Response) -> 
 
 @router.post("/{sid}/step")
 async def step_session(sid: str, body: StepBody, request: Request, response: Response) -> dict[str, Any]:
+    held, logits = await _step(request, sid, [body.token], 0, "token")
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    assert logits is not None
+    return _body(held, body.top_k, logits[-1])
+
+
+@router_v2.post("/{sid}/step")
+async def step_session_v2(sid: str, body: StepBodyV2, request: Request, response: Response) -> dict[str, Any]:
+    if not body.tokens and not body.rollback:
+        raise InvalidRequest("a step needs tokens, a rollback, or both.", param="tokens")
+    held, logits = await _step(request, sid, body.tokens, body.rollback, "tokens")
+    response.headers["X-Chorus-Session-API"] = API_VERSION
+    nexts = [] if logits is None else [next_token(row, body.top_k) for row in logits]
+    return {"id": held.id, "object": "chorus.session", "model": held.model, "length": held.length, "next": nexts}
+
+
+async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
+                param: str) -> tuple[Held, torch.Tensor | None]:
+    """Roll back, then feed ``tokens`` in one forward: the session and the logits after each token."""
     store = _store(request)
     held = store.get(sid)
     served_by(request, held.model)
     if held.lock.locked():
         raise SessionBusy(f"session {sid} is still running its previous step.", param="id")
-    if body.token >= held.vocab_size:
-        raise InvalidRequest(f"token {body.token} is outside the vocabulary (0..{held.vocab_size - 1}).", param="token")
+    bad = [t for t in tokens if t < 0 or t >= held.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token {bad[0]} is outside the vocabulary (0..{held.vocab_size - 1}).", param=param)
+    if rollback >= held.length:
+        raise InvalidRequest(f"cannot roll back {rollback} of the session's {held.length} tokens.", param="rollback")
     async with held.lock:
         try:
-            logits = await held.session.step(body.token)
-        except BaseException:  # failed or cancelled (client gone): the cache may hold the token, so end it
+            if rollback:
+                held.session.rollback(rollback)
+                held.length -= rollback
+            logits = await held.session.extend(tokens) if tokens else None
+        except InvalidRequest:
+            raise
+        except BaseException:  # failed or cancelled (client gone): the cache may hold the tokens, so end it
             store.close(sid)
             raise
-    held.length += 1
+    held.length += len(tokens)
     held.last_used = time.monotonic()
-    response.headers["X-Chorus-Session-API"] = API_VERSION
-    return _body(held, body.top_k, logits)
+    return held, logits
 
 
 @router.delete("/{sid}")
@@ -199,3 +243,9 @@ async def close_session(sid: str, request: Request, response: Response) -> dict[
     store.close(sid)
     response.headers["X-Chorus-Session-API"] = API_VERSION
     return {"id": sid, "object": "chorus.session", "deleted": True}
+
+
+# v2 serves v1's open / list / delete unchanged (a v2 session is the same held session)
+router_v2.add_api_route("", list_sessions, methods=["GET"])
+router_v2.add_api_route("", open_session, methods=["POST"])
+router_v2.add_api_route("/{sid}", close_session, methods=["DELETE"])

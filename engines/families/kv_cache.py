@@ -58,6 +58,11 @@ class GrowingLayer(DynamicLayer):
         self._t = t
         return self._view()
 
+    def crop(self, t: int) -> None:
+        """Keep the first ``t`` columns (the rest were rolled back; the buffer keeps its room)."""
+        self._t = min(self._t, t)
+        self._view()
+
     def overwrite_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replace the last columns written (a slot shared by several recurrence steps of one forward)."""
         n = key_states.shape[-2]

@@ -204,6 +204,18 @@ def test_exact_logit_average_over_a_workers_session_api(workers: list[Worker]) -
             got = [t.logprob for t in ens.choices[0].logprobs.content]
             want = [t.logprob for t in local.choices[0].logprobs.content]
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3  # the same model twice: the same distribution
+        # speculative over the v2 session API: the worker's member verifies the drafts in one multi-token step
+        # and rolls back rejected ones (a persona makes the members disagree); the answer is full averaging's
+        members = [SMOL, {"model": "smol-exact", "system": "You are a pirate. Answer like one."}]
+        answers = {}
+        for mode in ("full", "speculative"):
+            ens = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=24, temperature=0, extra_body={
+                "ensemble": {"strategy": "logit_average", "trace": True, "members": members, "mode": mode}})
+            answers[mode] = ens.choices[0].message.content
+            if mode == "speculative":
+                te = ens.model_extra["ensemble"]["token_ensemble"]
+                assert te["rounds"] < te["positions"] and te["rolled_back"]["smol-exact"] > 0
+        assert answers["speculative"] == answers["full"]
         assert wait_until(lambda: httpx.get(sessions).json()["open"] == 0, timeout=10)
     finally:
         gw.stop()

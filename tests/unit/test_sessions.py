@@ -1,4 +1,4 @@
-"""The session API (/chorus/v1/sessions) on fake engines, and a gateway's remote engine stepping it."""
+"""The session API (/chorus/v1 and v2 sessions) on fake engines, and a gateway's remote engine stepping it."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def worker(engines: dict[str, FakeEngine]) -> Iterator[LiveServer]:
 
 
 S = "/chorus/v1/sessions"
+V2 = "/chorus/v2/sessions"
 
 
 def api(worker: LiveServer) -> httpx.Client:
@@ -55,7 +56,7 @@ async def test_open_step_close_give_the_engines_logits(worker: LiveServer, engin
     ids = fake.tokenizer.encode("abc")
     with api(worker) as c:
         opened = c.post(S, json={"model": "fake", "prompt": ids})
-        assert opened.status_code == 200 and opened.headers["x-chorus-session-api"] == "1"
+        assert opened.status_code == 200 and opened.headers["x-chorus-session-api"] == "2"
         body = opened.json()
         sid, vocab = body["id"], fake.tokenizer.vocab_size
         assert body["object"] == "chorus.session" and body["length"] == len(ids)
@@ -73,6 +74,56 @@ async def test_open_step_close_give_the_engines_logits(worker: LiveServer, engin
         gone = c.post(f"{S}/{sid}/step", json={"token": 1})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
     assert wait_until(lambda: fake.active_sessions == 0)
+
+
+async def test_v2_steps_several_tokens_and_rolls_back(worker: LiveServer, engines: dict[str, FakeEngine]) -> None:
+    """/chorus/v2: one step feeds several tokens (a distribution after each) after forgetting the last n."""
+    fake = engines["fake"]
+    ids, vocab = fake.tokenizer.encode("abc"), fake.tokenizer.vocab_size
+    more = fake.tokenizer.encode("xyz")
+    with api(worker) as c:
+        opened = c.post(V2, json={"model": "fake", "prompt": ids}).json()
+        sid = opened["id"]
+        body = c.post(f"{V2}/{sid}/step", json={"tokens": more}).json()
+        ref = fake.open_session()
+        await ref.prefill(ids)
+        want = await ref.extend(more)
+        assert body["length"] == 6 and len(body["next"]) == 3
+        assert all(torch.equal(decode_next(n, vocab), w) for n, w in zip(body["next"], want))
+        back = c.post(f"{V2}/{sid}/step", json={"rollback": 2, "tokens": more[:1]}).json()
+        ref.rollback(2)
+        assert back["length"] == 5 and torch.equal(decode_next(back["next"][0], vocab), (await ref.extend(more[:1]))[0])
+        ref.close()
+        for bad, param in (({"rollback": 5}, "rollback"), ({}, "tokens"), ({"tokens": [10**6]}, "tokens"),
+                           ({"tokens": [1], "token": 1}, "token")):
+            r = c.post(f"{V2}/{sid}/step", json=bad)
+            assert r.status_code == 400 and param in r.json()["error"]["param"], r.text
+        assert c.get(V2).json()["open"] == 1 and c.delete(f"{V2}/{sid}").json()["deleted"] is True
+    assert wait_until(lambda: fake.active_sessions == 0)
+
+
+async def test_a_gateways_worker_session_extends_and_rolls_back(worker: LiveServer) -> None:
+    """The gateway side (`WorkerSession`): extend is one request, a rollback rides on the next step."""
+    from chorus.engines.remote import RemoteEngine
+    from chorus.engines.spec import ModelSpec
+
+    spec = ModelSpec.model_validate({"name": "w", "engine": "remote", "remote": {
+        "replicas": [worker.url + "/v1"], "model": "fake", "token_api": "chorus", "tokenizer": "unused"}})
+    local = FakeEngine("local", max_model_len=64)
+    remote = RemoteEngine(spec, local.tokenizer)
+    await remote.start()
+    try:
+        s, ref = remote.open_session(), local.open_session()
+        ids, more = local.tokenizer.encode("ab"), local.tokenizer.encode("cde")
+        assert torch.equal(await s.prefill(ids), await ref.prefill(ids))
+        assert torch.equal(await s.extend(more), await ref.extend(more))
+        s.rollback(2)
+        ref.rollback(2)
+        assert s.length == 3 and torch.equal(await s.step(more[0]), await ref.step(more[0]))
+        s.close()
+        ref.close()
+    finally:
+        await remote.aclose()
 
 
 @pytest.mark.parametrize("body,status,param", [

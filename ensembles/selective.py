@@ -1,0 +1,104 @@
+"""``logit_average`` with ``mode: selective`` (SAFE-style, docs/methods.md §1): ensemble only where it pays.
+
+One member, the lead, decodes every token. The others are consulted only at positions where a gate
+fires on the lead's own next-token distribution: its top-1 probability below ``gate`` (``gate_by:
+top1``) or its entropy above ``gate`` nats (``gate_by: entropy``). Elsewhere the lead's distribution is
+the answer, at the lead's own cost. A member that was not consulted does not run: the tokens it missed
+wait in its backlog and are fed in one chunk (`Session.extend`, one forward) when it is next consulted,
+so its KV cache is exactly what it would be had it stepped every token. A member never consulted never
+even prefills its prompt. At consulted positions the mixture may be sharpened (``mixture_temperature``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import torch
+
+from chorus.engines.base import Session
+from chorus.ensembles.stepping import EnsembleStats, LeadSessionBase, mix, step_members
+
+
+def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
+    """Whether the lead is unsure of its next token: top-1 probability below, or entropy above, ``gate``."""
+    p = torch.softmax(logits.float(), dim=-1)
+    if gate_by == "entropy":
+        return float(-(p * torch.log(p.clamp_min(1e-30))).sum()) > gate
+    return float(p.max()) < gate
+
+
+class SelectiveSession(LeadSessionBase):
+    """One sequence: the lead's session stepped every token, the others' only when consulted."""
+
+    def __init__(self, members: list[Session], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
+                 labels: list[str], stats: EnsembleStats, gate_by: str, gate: float, temperature: float = 1.0,
+                 prompts: list[list[int]] | None = None, skip: bool = False,
+                 on_close: Callable[[SelectiveSession], None] | None = None,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
+        self.members = members
+        self.lead = lead
+        self.weights = weights
+        self.space = space
+        self.vocab = vocab
+        self.labels = labels
+        self.stats = stats
+        self.gate_by = gate_by
+        self.gate = gate
+        self.temperature = temperature
+        self.prompts = prompts
+        self.skip = skip
+        self._on_close = on_close
+        self._on_drop = on_drop
+        self.alive = list(range(len(members)))
+        self.started = [i == lead for i in range(len(members))]  # the others prefill when first consulted
+        self.backlog: list[list[int]] = [[] for _ in members]
+        self.prompt: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return self.members[self.lead].length
+
+    def _prompt_of(self, i: int) -> list[int]:
+        return self.prompts[i] if self.prompts is not None else self.prompt
+
+    async def _lead_call(self, call: Awaitable[torch.Tensor]) -> torch.Tensor:
+        _, (logits,) = await step_members([call], [self.labels[self.lead]], False)
+        return logits
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self.prompt = list(ids)
+        self.stats.prompted[self.lead] = True
+        return await self._decide(await self._lead_call(self.members[self.lead].prefill(self._prompt_of(self.lead))))
+
+    async def step(self, token: int) -> torch.Tensor:
+        logits = await self._lead_call(self.members[self.lead].step(token))
+        self.stats.fed[self.lead] += 1
+        for i in self.alive:
+            if i != self.lead:
+                self.backlog[i].append(int(token))
+        return await self._decide(logits)
+
+    async def _decide(self, lead: torch.Tensor) -> torch.Tensor:
+        self.stats.positions += 1
+        others = [i for i in self.alive if i != self.lead]
+        lead = lead[: self.vocab]
+        if not others or not uncertain(lead, self.gate_by, self.gate):
+            return lead
+        self.stats.consulted += 1
+        keep, results = await step_members([self._catch_up(i) for i in others], [self.labels[i] for i in others],
+                                           self.skip, self._on_drop)
+        for gone in set(others) - {others[k] for k in keep}:
+            self.members[gone].close()
+            self.alive.remove(gone)
+        idx = [self.lead] + [others[k] for k in keep]
+        return mix([lead, *results], self.weights[idx], self.space, self.vocab, self.temperature)
+
+    async def _catch_up(self, i: int) -> torch.Tensor:
+        """Member i's next-token logits after everything so far: the tokens it missed, in one chunk."""
+        missed, self.backlog[i] = self.backlog[i], []
+        self.stats.fed[i] += len(missed)
+        self.stats.catch_up[i] += len(missed)
+        if not self.started[i]:
+            self.started[i] = self.stats.prompted[i] = True
+            return await self.members[i].prefill(self._prompt_of(i) + missed)
+        return (await self.members[i].extend(missed))[-1]

@@ -1,0 +1,121 @@
+"""``logit_average`` with ``mode: speculative``: full averaging's output at fewer forwards (docs/methods.md §1).
+
+Each round the lead drafts ``k`` tokens greedily from its own distribution (k one-token steps); the
+other members read the round's tokens in one forward each (`Session.extend`), which gives the
+ensemble's mixture at every drafted position at once. The decode loop then samples each token from
+the mixture exactly as full averaging does (same sampler, same random draws); while the sampled
+token equals the draft, the next position's mixture is already computed and costs nothing. At the
+first token that differs, every member rolls back the drafts it read past it (`Session.rollback`)
+and a new round starts from the sampled token.
+
+So the output is full averaging's, token for token, under greedy decoding and under sampling with a
+seed (verification is "sample from the target, accept while it matches the draft"; rejection
+sampling against the draft would accept more often at high temperature but draws differently).
+What is saved is the other members' forwards: one per round instead of one per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+import torch
+
+from chorus.engines.base import Session
+from chorus.ensembles.stepping import EnsembleStats, LeadSessionBase, mix, step_members
+
+
+class SpeculativeSession(LeadSessionBase):
+    """One sequence: the lead drafts, the others verify a round in one forward, rejected drafts roll back."""
+
+    def __init__(self, members: list[Session], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
+                 labels: list[str], stats: EnsembleStats, k: int, max_len: int, eos: frozenset[int],
+                 temperature: float = 1.0, prompts: list[list[int]] | None = None, skip: bool = False,
+                 on_close: Callable[[SpeculativeSession], None] | None = None,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
+        self.members = members
+        self.lead = lead
+        self.weights = weights
+        self.space = space
+        self.vocab = vocab
+        self.labels = labels
+        self.stats = stats
+        self.k = k
+        self.max_len = max_len
+        self.eos = eos
+        self.temperature = temperature
+        self.prompts = prompts
+        self.skip = skip
+        self._on_close = on_close
+        self._on_drop = on_drop
+        self.alive = list(range(len(members)))
+        self.drafts: list[int] = []  # this round's drafts not yet sampled; all but the last were fed
+        self.ahead: list[torch.Tensor] = []  # the mixture after each fed draft, in order
+
+    @property
+    def length(self) -> int:
+        return self.members[self.lead].length - len(self.ahead)
+
+    def _mix(self, logits: Sequence[torch.Tensor], members: list[int]) -> torch.Tensor:
+        return mix(logits, self.weights[members], self.space, self.vocab, self.temperature)
+
+    async def _members(self, calls: list[Awaitable[torch.Tensor]], which: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """Calls of the non-lead members ``which``: a failed one fails the request, or (``skip``) is dropped."""
+        keep, results = await step_members(calls, [self.labels[i] for i in which], self.skip, self._on_drop)
+        for gone in set(which) - {which[k] for k in keep}:
+            self.members[gone].close()
+            self.alive.remove(gone)
+        return [which[k] for k in keep], results
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        order = [self.lead] + [i for i in self.alive if i != self.lead]
+        prompts = [self.prompts[i] if self.prompts is not None else list(ids) for i in order]
+        _, (lead,) = await step_members([self.members[self.lead].prefill(prompts[0])], [self.labels[self.lead]], False)
+        kept, rest = await self._members([self.members[i].prefill(p) for i, p in zip(order[1:], prompts[1:])],
+                                         order[1:])
+        self.stats.positions += 1
+        self.stats.consulted += 1
+        return self._mix([lead, *rest], [self.lead, *kept])
+
+    async def step(self, token: int) -> torch.Tensor:
+        token = int(token)
+        if self.drafts and token == self.drafts[0]:
+            self.drafts.pop(0)
+            self.stats.accepted += 1
+            if self.ahead:  # every member already read this token: its mixture is here
+                self.stats.positions += 1
+                self.stats.consulted += 1
+                return self.ahead.pop(0)
+            return await self._round(token)  # the round's last draft: nobody has read it yet
+        if self.ahead:  # the sampled token differs from the draft: forget the drafts read past it
+            for i in self.alive:
+                self.members[i].rollback(len(self.ahead))
+                self.stats.rolled_back[i] += len(self.ahead)
+        self.drafts, self.ahead = [], []
+        return await self._round(token)
+
+    async def _round(self, first: int) -> torch.Tensor:
+        """Feed ``first``; the lead drafts up to k tokens; the others read them in one forward each."""
+        lead = self.members[self.lead]
+        room = max(1, self.max_len - max(self.members[i].length for i in self.alive))  # the decode loop checked
+        fed = [first]
+        _, (q,) = await step_members([lead.step(first)], [self.labels[self.lead]], False)
+        lead_rows = [q]
+        while len(fed) < min(self.k, room):
+            draft = int(torch.argmax(lead_rows[-1][: self.vocab]))
+            if draft in self.eos:
+                break
+            fed.append(draft)
+            _, (q,) = await step_members([lead.step(draft)], [self.labels[self.lead]], False)
+            lead_rows.append(q)
+        others = [i for i in self.alive if i != self.lead]
+        kept, rows = await self._members([self.members[i].extend(fed) for i in others], others)
+        for i in [self.lead, *kept]:
+            self.stats.fed[i] += len(fed)
+        mixtures = [self._mix([lead_rows[j], *(r[j] for r in rows)], [self.lead, *kept]) for j in range(len(fed))]
+        self.drafts = [int(torch.argmax(x[: self.vocab])) for x in lead_rows]
+        self.ahead = mixtures[1:]
+        self.stats.rounds += 1
+        self.stats.proposed += len(self.drafts)
+        self.stats.positions += 1
+        self.stats.consulted += 1
+        return mixtures[0]
