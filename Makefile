@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen serve test unit check wheel-smoke bench clean
+.PHONY: install models models-qwen serve test unit check wheel-smoke bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,17 @@ wheel-smoke:
 bench: models
 	$(BIN)/chorus bench engine
 	$(BIN)/chorus bench ensembles
+
+# The GPU check (run where a GPU machine is lent): random models of real shapes, no model files, no venv;
+# `make gpu-wheels` first, here, fetches the pure-Python packages it may need there (build/gpu-wheels).
+bench-gpu:
+	bash scripts/bench-gpu
+
+gpu-wheels: install
+	for v in 3.10 3.11 3.12 3.13; do \
+	  $(BIN)/python -m pip download -q --only-binary=:all: --platform manylinux2014_x86_64 --python-version $$v \
+	    -d build/gpu-wheels "pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')" \
+	    prometheus-client; done
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -53,6 +53,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                  "chorus.bench.engine:main", "chorus.bench.engine:add_arguments"),
     ("bench", "choices"): Command("multiple-choice scoring: shared prefix vs a whole forward per choice",
                                   "chorus.bench.choices:main", "chorus.bench.choices:add_arguments"),
+    ("bench", "modes"): Command("token ensembles by mode: full, selective, speculative vs the lead alone",
+                                "chorus.bench.token_modes:main", "chorus.bench.token_modes:add_arguments"),
     ("bench", "ensembles"): Command("ensemble overheads: logit averaging, ROUGE-L scoring, concurrency",
                                     "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
     ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",

@@ -10,9 +10,10 @@ Random 2- and 3-digit additions (``--seed``), each asked as a few-shot completio
 greedy (temperature 0), up to 8 tokens, stopped at the line's end; a problem counts when the first
 integer of the completion equals ``a + b`` (exact match). Both small default tokenizers split numbers
 into single digits, so a token-level ensemble chooses the answer digit by digit. Systems are
-``--model NAME`` and ``--ensemble JSON`` (with a ``label``); the table gives accuracy per digit count
-with Wilson 95% intervals and, for each ensemble, the difference from its best member on the same
-problems (paired bootstrap 95% interval, McNemar's exact p).
+``--model NAME`` and ``--ensemble JSON`` (with a ``label``, and optionally ``versus``: another system's
+label); the table gives accuracy per digit count with Wilson 95% intervals and, for each ensemble, the
+difference from its best member on the same problems (paired bootstrap 95% interval, McNemar's exact
+p), and from its ``versus`` system (e.g. selective against full averaging).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class System:
     label: str
     body: dict[str, Any]
     members: list[str] = field(default_factory=list)
+    versus: str | None = None  # another system to compare with on the same problems (e.g. full averaging)
     right: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
@@ -81,6 +83,8 @@ def report(systems: list[System], probs: list[tuple[int, int, int]], digits: lis
     by_label = {s.label: s for s in systems}
     header = ["system", *(f"{d}-digit acc [95% CI]" for d in digits), "Δ vs best member [95% CI]", "McNemar p",
               "s/problem"]
+    if any(s.versus for s in systems):
+        header.insert(-1, "Δ vs reference [95% CI], p")
     rows = []
     for s in systems:
         right = np.array(s.right)
@@ -97,6 +101,14 @@ def report(systems: list[System], probs: list[tuple[int, int, int]], digits: lis
                       f"(+{diff.wins}/-{diff.losses})", f"{diff.p_mcnemar:.3f}"]
         else:
             cells += ["-", "-"]
+        if "Δ vs reference [95% CI], p" in header:
+            ref = by_label.get(s.versus or "")
+            if ref is None:
+                cells.append("-")
+            else:
+                vs = S.paired_difference(right, np.array(ref.right))
+                cells.append(f"{100 * vs.delta:+.1f} [{100 * vs.low:+.1f}, {100 * vs.high:+.1f}] vs {ref.label} "
+                             f"(+{vs.wins}/-{vs.losses}), p {vs.p_mcnemar:.3f}")
         cells.append(f"{np.mean(s.seconds):.2f}")
         rows.append(cells)
     return markdown_table(header, rows)
@@ -109,8 +121,9 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
     for i, raw in enumerate(args.ensemble or []):
         spec = json.loads(raw)
         label = spec.pop("label", None) or f"{spec.get('strategy', 'ensemble')}#{i + 1}"
+        versus = spec.pop("versus", None)
         members = [m if isinstance(m, str) else m["model"] for m in spec.get("members") or []]
-        systems.append(System(label, {"model": label, "ensemble": spec}, members))
+        systems.append(System(label, {"model": label, "ensemble": spec}, members, versus))
     if not systems:
         raise SystemExit("chorus eval addition: give at least one --model or --ensemble")
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, headers=headers) as http:

@@ -8,6 +8,10 @@ token equals the draft, the next position's mixture is already computed and cost
 first token that differs, every member rolls back the drafts it read past it (`Session.rollback`)
 and a new round starts from the sampled token.
 
+While the others verify a round, the lead already drafts the next one, betting that its last draft
+will be the token sampled there: the members work in parallel (as full averaging's do), and a lost bet
+costs the lead a rollback. At the end of the text there is no next round to draft.
+
 So the output is full averaging's, token for token, under greedy decoding and under sampling with a
 seed (verification is "sample from the target, accept while it matches the draft"; rejection
 sampling against the draft would accept more often at high temperature but draws differently).
@@ -21,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from chorus.engines.base import Session
+from chorus.ensembles.base import gather
 from chorus.ensembles.stepping import EnsembleStats, LeadSessionBase, mix, step_members
 
 
@@ -50,10 +55,12 @@ class SpeculativeSession(LeadSessionBase):
         self.alive = list(range(len(members)))
         self.drafts: list[int] = []  # this round's drafts not yet sampled; all but the last were fed
         self.ahead: list[torch.Tensor] = []  # the mixture after each fed draft, in order
+        self.prefetched: list[int] = []  # the next round, drafted (and read by the lead) while the others verify
+        self.prefetched_rows: list[torch.Tensor] = []
 
     @property
     def length(self) -> int:
-        return self.members[self.lead].length - len(self.ahead)
+        return self.members[self.lead].length - len(self.ahead) - len(self.prefetched)
 
     def _mix(self, logits: Sequence[torch.Tensor], members: list[int]) -> torch.Tensor:
         return mix(logits, self.weights[members], self.space, self.vocab, self.temperature)
@@ -85,34 +92,54 @@ class SpeculativeSession(LeadSessionBase):
                 self.stats.positions += 1
                 self.stats.consulted += 1
                 return self.ahead.pop(0)
-            return await self._round(token)  # the round's last draft: nobody has read it yet
-        if self.ahead:  # the sampled token differs from the draft: forget the drafts read past it
-            for i in self.alive:
-                self.members[i].rollback(len(self.ahead))
-                self.stats.rolled_back[i] += len(self.ahead)
-        self.drafts, self.ahead = [], []
+            return await self._round(token)  # the round's last draft: the lead's next drafts may be ready
+        # the sampled token differs from the draft: forget the drafts read past it (the lead also forgets
+        # the next round it drafted ahead)
+        for i in self.alive:
+            n = len(self.ahead) + (len(self.prefetched) if i == self.lead else 0)
+            if n:
+                self.members[i].rollback(n)
+                self.stats.rolled_back[i] += n
+        self.drafts, self.ahead, self.prefetched, self.prefetched_rows = [], [], [], []
         return await self._round(token)
 
-    async def _round(self, first: int) -> torch.Tensor:
-        """Feed ``first``; the lead drafts up to k tokens; the others read them in one forward each."""
+    async def _draft(self, first: int, room: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The lead reads ``first`` and drafts greedily until it has read up to ``min(k, room)`` tokens (or
+        drafts an end of sequence): the tokens it read and its logits after each."""
         lead = self.members[self.lead]
-        room = max(1, self.max_len - max(self.members[i].length for i in self.alive))  # the decode loop checked
-        fed = [first]
-        _, (q,) = await step_members([lead.step(first)], [self.labels[self.lead]], False)
-        lead_rows = [q]
-        while len(fed) < min(self.k, room):
-            draft = int(torch.argmax(lead_rows[-1][: self.vocab]))
-            if draft in self.eos:
-                break
+        fed, rows = [first], []
+        while True:
+            _, (q,) = await step_members([lead.step(fed[-1])], [self.labels[self.lead]], False)
+            rows.append(q)
+            draft = int(torch.argmax(q[: self.vocab]))
+            if len(fed) >= min(self.k, room) or draft in self.eos:
+                return fed, rows
             fed.append(draft)
-            _, (q,) = await step_members([lead.step(draft)], [self.labels[self.lead]], False)
-            lead_rows.append(q)
+
+    async def _round(self, first: int) -> torch.Tensor:
+        """Feed ``first`` and the lead's drafts after it to the others in one forward each. While they read
+        them, the lead already drafts the next round, betting that its last draft will be the sampled token
+        (its members run in parallel, as in full averaging); a wrong bet is rolled back."""
+        lengths = {i: self.members[i].length for i in self.alive}
+        if self.prefetched and self.prefetched[0] == first:
+            fed, lead_rows = self.prefetched, self.prefetched_rows
+        else:
+            fed, lead_rows = await self._draft(first, max(1, self.max_len - max(lengths.values())))
+        self.prefetched, self.prefetched_rows = [], []
+        drafts = [int(torch.argmax(x[: self.vocab])) for x in lead_rows]
         others = [i for i in self.alive if i != self.lead]
-        kept, rows = await self._members([self.members[i].extend(fed) for i in others], others)
+        # room for the next round: the lead has read this round already, the others will have
+        ahead_room = self.max_len - max([self.members[self.lead].length] + [lengths[i] + len(fed) for i in others])
+        verify = self._members([self.members[i].extend(fed) for i in others], others)
+        if ahead_room >= 1 and drafts[-1] not in self.eos:
+            (kept, rows), (self.prefetched, self.prefetched_rows) = await gather(
+                verify, self._draft(drafts[-1], ahead_room))
+        else:
+            kept, rows = await verify
         for i in [self.lead, *kept]:
             self.stats.fed[i] += len(fed)
         mixtures = [self._mix([lead_rows[j], *(r[j] for r in rows)], [self.lead, *kept]) for j in range(len(fed))]
-        self.drafts = [int(torch.argmax(x[: self.vocab])) for x in lead_rows]
+        self.drafts = drafts
         self.ahead = mixtures[1:]
         self.stats.rounds += 1
         self.stats.proposed += len(self.drafts)

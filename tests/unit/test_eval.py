@@ -99,9 +99,12 @@ def test_addition_problems_are_seeded_and_graded_by_exact_match(tmp_path: Path) 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(MC_CONFIG)
     ens = json.dumps({"label": "avg", "strategy": "logit_average", "members": ["a", "b"]})
+    spec = json.dumps({"label": "spec", "strategy": "logit_average", "members": ["a", "b"], "mode": "speculative",
+                       "versus": "avg"})
     out = subprocess.run([sys.executable, "-m", "chorus", "eval", "addition", "--config", str(cfg), "--n", "3",
-                          "--model", "a", "--model", "b", "--ensemble", ens],
+                          "--model", "a", "--model", "b", "--ensemble", ens, "--ensemble", spec],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| ") and "digit acc" not in line]
-    assert [r.split("|")[1].strip() for r in rows] == ["a", "b", "avg"]
+    assert [r.split("|")[1].strip() for r in rows] == ["a", "b", "avg", "spec"]
     assert "0.0 [0.0, 56.1]" in rows[0] and ("vs a" in rows[2] or "vs b" in rows[2])
+    assert "+0.0 [+0.0, +0.0] vs avg (+0/-0), p 1.000" in rows[3]  # speculative answers as full averaging does
