@@ -11,12 +11,13 @@ even prefills its prompt. At consulted positions the mixture may be sharpened (`
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import torch
 
 from chorus.engines.base import Session
-from chorus.ensembles.stepping import EnsembleStats, LeadSessionBase, mix, step_members
+from chorus.ensembles.stepping import LeadSessionBase, mix, step_members
 
 
 def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
@@ -30,27 +31,11 @@ def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
 class SelectiveSession(LeadSessionBase):
     """One sequence: the lead's session stepped every token, the others' only when consulted."""
 
-    def __init__(self, members: list[Session], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
-                 labels: list[str], stats: EnsembleStats, gate_by: str, gate: float, temperature: float = 1.0,
-                 prompts: list[list[int]] | None = None, skip: bool = False,
-                 on_close: Callable[[SelectiveSession], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
-        self.members = members
-        self.lead = lead
-        self.weights = weights
-        self.space = space
-        self.vocab = vocab
-        self.labels = labels
-        self.stats = stats
+    def __init__(self, members: list[Session], *, gate_by: str, gate: float, **common: Any) -> None:
+        super().__init__(members, **common)
         self.gate_by = gate_by
         self.gate = gate
-        self.temperature = temperature
-        self.prompts = prompts
-        self.skip = skip
-        self._on_close = on_close
-        self._on_drop = on_drop
-        self.alive = list(range(len(members)))
-        self.started = [i == lead for i in range(len(members))]  # the others prefill when first consulted
+        self.started = [i == self.lead for i in range(len(members))]  # the others prefill when first consulted
         self.backlog: list[list[int]] = [[] for _ in members]
         self.prompt: list[int] = []
 

@@ -20,39 +20,24 @@ What is saved is the other members' forwards: one per round instead of one per t
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import torch
 
 from chorus.engines.base import Session
 from chorus.ensembles.base import gather
-from chorus.ensembles.stepping import EnsembleStats, LeadSessionBase, mix, step_members
+from chorus.ensembles.stepping import LeadSessionBase, mix, step_members
 
 
 class SpeculativeSession(LeadSessionBase):
     """One sequence: the lead drafts, the others verify a round in one forward, rejected drafts roll back."""
 
-    def __init__(self, members: list[Session], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
-                 labels: list[str], stats: EnsembleStats, k: int, max_len: int, eos: frozenset[int],
-                 temperature: float = 1.0, prompts: list[list[int]] | None = None, skip: bool = False,
-                 on_close: Callable[[SpeculativeSession], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
-        self.members = members
-        self.lead = lead
-        self.weights = weights
-        self.space = space
-        self.vocab = vocab
-        self.labels = labels
-        self.stats = stats
+    def __init__(self, members: list[Session], *, k: int, max_len: int, eos: frozenset[int], **common: Any) -> None:
+        super().__init__(members, **common)
         self.k = k
         self.max_len = max_len
         self.eos = eos
-        self.temperature = temperature
-        self.prompts = prompts
-        self.skip = skip
-        self._on_close = on_close
-        self._on_drop = on_drop
-        self.alive = list(range(len(members)))
         self.drafts: list[int] = []  # this round's drafts not yet sampled; all but the last were fed
         self.ahead: list[torch.Tensor] = []  # the mixture after each fed draft, in order
         self.prefetched: list[int] = []  # the next round, drafted (and read by the lead) while the others verify

@@ -95,11 +95,28 @@ async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequenc
 
 
 class LeadSessionBase:
-    """What the selective and speculative sessions share: they are driven token by token by the decode loop
-    (``extend`` steps each token), cannot be rolled back themselves, and close every member's session."""
+    """What the selective and speculative sessions share: members led by one of them, combined with weights
+    (`mix`), counted in a request's `EnsembleStats`; driven token by token by the decode loop (``extend``
+    steps each token); they cannot be rolled back themselves, and close every member's session."""
 
-    members: list[Any]
-    _on_close: Callable[[Any], None] | None
+    def __init__(self, members: list[Any], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
+                 labels: list[str], stats: EnsembleStats, temperature: float = 1.0,
+                 prompts: list[list[int]] | None = None, skip: bool = False,
+                 on_close: Callable[[Any], None] | None = None,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
+        self.members = members
+        self.lead = lead
+        self.weights = weights
+        self.space = space
+        self.vocab = vocab
+        self.labels = labels
+        self.stats = stats
+        self.temperature = temperature
+        self.prompts = prompts  # each member's own prompt (a prompt ensemble), else the one given to prefill
+        self.skip = skip
+        self._on_close = on_close
+        self._on_drop = on_drop
+        self.alive = list(range(len(members)))
 
     async def step(self, token: int) -> torch.Tensor:  # pragma: no cover - each mode implements it
         raise NotImplementedError

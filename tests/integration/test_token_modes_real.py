@@ -69,3 +69,18 @@ async def test_selective_at_a_gate_that_always_fires_equals_full(smol_engine: Tr
     await some.generate(req)
     assert 0 < some.tally.consulted < some.tally.positions
     assert torch.is_tensor(some.weights)
+
+
+def test_bench_modes_runs() -> None:
+    """`chorus bench modes` on one pair, tiny budget: the table is printed and speculative equals full."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "chorus", "bench", "modes", "--pairs", "prompt ensemble", "--tokens",
+                          "12", "--prompts", "1", "--rounds", "1", "--gates", "0.5"],
+                         capture_output=True, text=True, timeout=900, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| SmolLM2 x 2 system prompts")]
+    assert [r.split("|")[2].strip().split(",")[0] for r in rows] == [
+        "smollm2-135m-instruct alone", "full", "selective", "speculative"]
+    assert rows[-1].split("|")[-2].strip() == "yes"
+    assert rows[1].split("|")[6].strip() == rows[1].split("|")[5].strip()  # one model: slowest = lead

@@ -174,7 +174,7 @@ def test_gates() -> None:
     assert not uncertain(sure, "entropy", 0.5) and uncertain(unsure, "entropy", 1.0)  # log 3 = 1.0986 nats
 
 
-def test_http_modes_trace_usage_and_prompt_ensembles(client: openai.OpenAI) -> None:
+def test_http_modes_trace_usage_and_prompt_ensembles(client: openai.OpenAI, server) -> None:  # type: ignore[no-untyped-def]
     """Over the API: modes give full averaging's answer, the trace reports what each did, a member with its
     own system prompt reads its own prompt."""
     def ask(**ens: object) -> openai.types.chat.ChatCompletion:
@@ -197,6 +197,12 @@ def test_http_modes_trace_usage_and_prompt_ensembles(client: openai.OpenAI) -> N
                                  "members": ["fake", {"model": "fake", "system": "You are a pirate."}]}})
     by = persona.model_extra["ensemble"]["usage_by_member"]
     assert by["fake#2"]["prompt_tokens"] > by["fake"]["prompt_tokens"]  # the pirate read its own, longer prompt
+    import httpx
+
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("chorus_token_ensemble_positions_total", "chorus_token_ensemble_consulted_total",
+                 "chorus_speculative_proposed_total", "chorus_speculative_accepted_total"):
+        assert name in metrics
 
 
 @pytest.mark.parametrize("mode", ["selective", "speculative"])
