@@ -70,7 +70,6 @@ def prompts_for(engines: list[Any], pair: Pair, question: str) -> list[list[int]
 class Tally:
     """A system's mode figures over every prompt."""
 
-    lead: int
     positions: int = 0
     consulted: int = 0
     proposed: int = 0
@@ -112,7 +111,7 @@ async def run_system(pair: Pair, members: list[Any], per_prompt: list[list[list[
             engine = LogitAverage(members, mode=mode, lead=who, gate=gate, k=k,
                                   prompts=prompts if pair.personas else None)
             ids = (await engine.generate(GenerationRequest(prompts[who], params))).choices[0].token_ids
-            tally = tally or Tally(who)
+            tally = tally or Tally()
             tally.add(engine.tally)
         outputs.append(ids)
         tokens += len(ids)

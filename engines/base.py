@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from chorus.engines.families.metric import Metric
+from chorus.errors import InvalidRequest
 
 TEXT = "text"
 STREAM = "stream"
@@ -159,6 +160,12 @@ class Session(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def check_rollback(n: int, length: int) -> None:
+    """A session may forget 0..length-1 of its tokens (never its whole prompt)."""
+    if not 0 <= n < length:
+        raise InvalidRequest(f"cannot roll back {n} of {length} tokens")
 
 
 @runtime_checkable

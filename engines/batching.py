@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from chorus.engines.base import check_rollback
 from chorus.engines.families.kv_cache import GrowingCache, cache_from
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
@@ -96,8 +97,7 @@ class BatchedSession:
             raise InvalidRequest("rollback needs an open, prefilled session")
         if self.future is not None:
             raise InvalidRequest("rollback while the session is running a forward")
-        if not 0 <= n < self.length:
-            raise InvalidRequest(f"cannot roll back {n} of {self.length} tokens")
+        check_rollback(n, self.length)
         self.length -= n
         self.dropping += n
 
@@ -389,23 +389,23 @@ class BatchRunner:
         if decode:
             assert self.cache is not None and self.mask is not None
             b, w = len(self.rows), max(len(t) for _, t in decode)
-            ids = torch.zeros(b, w, dtype=torch.long, device=self.device)
-            col = torch.zeros(b, w, dtype=torch.long, device=self.device)
-            lens = [0] * b
+            ids_rows, lens = [[0] * w for _ in range(b)], [0] * b
             served: list[BatchedSession | None] = [None] * b
             for r, tokens in decode:
-                ids[r, : len(tokens)] = torch.tensor(tokens, device=self.device)
-                col[r, : len(tokens)] = 1
+                ids_rows[r][: len(tokens)] = tokens
                 lens[r] = len(tokens)
                 served[r] = self.rows[r]
+            ids = torch.tensor(ids_rows, device=self.device)  # (B, W): one host-to-device copy
+            col = (torch.arange(w)[None, :] < torch.tensor(lens)[:, None]).long().to(self.device)
             mask = torch.cat([self.mask, col], 1)  # (B, T+W)
             pos = torch.tensor([[s.length] for s in self.rows], device=self.device) + torch.arange(w, device=self.device)
             attn = self._attention_mask(pos, mask.cumsum(1) - 1, mask.bool())  # real position of each column
             res = self._observed(served, lens, w, input_ids=ids, attention_mask=attn,
                                  position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
             self.mask = mask
-            logits = res.logits.float()  # (B, W, V)
-            out = [logits[r, : len(tokens)].cpu() for r, tokens in decode]
+            rows = torch.tensor([r for r, _ in decode], device=self.device)
+            logits = res.logits.index_select(0, rows).float().cpu()  # (R, W, V): one device-to-host copy
+            out = [logits[j, : len(tokens)] for j, (_, tokens) in enumerate(decode)]
         if len(jobs) == 1:
             self._prefill_chunk(*jobs[0])
         elif jobs:

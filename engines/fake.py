@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from chorus.engines.base import check_rollback
 from chorus.engines.generation import SessionEngine
 from chorus.engines.spec import ModelSpec
 from chorus.errors import ContextLengthExceeded, EngineFailed
@@ -98,8 +99,7 @@ class FakeSession:
         return await self._logits(len(ids))
 
     def rollback(self, n: int) -> None:
-        if not 0 <= n < len(self._ids):
-            raise EngineFailed(f"cannot roll back {n} of {len(self._ids)} tokens")
+        check_rollback(n, len(self._ids))
         del self._ids[len(self._ids) - n :]
 
     def close(self) -> None:

@@ -116,7 +116,7 @@ class SessionEngine:
         first token has none): log-likelihood scoring, ``/v1/completions`` with ``echo`` and ``logprobs``.
         Generic and exact for any session engine (an ensemble's sessions give the mixture's logprobs): one
         session stepped through the prompt. Engines with a whole-prompt forward override it."""
-        session = self.open_session()
+        session = self.scoring_session()
         try:
             logits = await session.prefill(ids[:1])
             out: list[TokenLogprob | None] = [None]
@@ -127,6 +127,11 @@ class SessionEngine:
             return out
         finally:
             session.close()
+
+    def scoring_session(self) -> Session:
+        """The session prompt scoring steps (an engine whose sessions may not give its full distribution, such
+        as a selective ensemble, returns one that does)."""
+        return self.open_session()
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         """Generic: each ``prefix + continuation`` scored whole; engines that can share the prefix override it."""

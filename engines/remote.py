@@ -41,6 +41,7 @@ from chorus.engines.base import (
     GenerationRequest,
     TokenLogprob,
     TopLogprob,
+    check_rollback,
 )
 from chorus.engines.families.metric import Metric
 from chorus.engines.openai_wire import deltas_from, generation_from, request_body
@@ -89,8 +90,7 @@ class RemoteSession:
         return torch.stack(rows)
 
     def rollback(self, n: int) -> None:
-        if not 0 <= n < len(self.ids):
-            raise InvalidRequest(f"cannot roll back {n} of {len(self.ids)} tokens")
+        check_rollback(n, len(self.ids))
         del self.ids[len(self.ids) - n :]
 
     def close(self) -> None:
@@ -148,8 +148,7 @@ class WorkerSession:
         return torch.stack([decode_next(d, vocab) for d in data["next"]])
 
     def rollback(self, n: int) -> None:
-        if not 0 <= n < self.length:
-            raise InvalidRequest(f"cannot roll back {n} of {self.length} tokens")
+        check_rollback(n, self.length)
         self.length -= n
         self.dropping += n
 

@@ -14,7 +14,7 @@ different vocabularies).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -35,84 +35,51 @@ from chorus.ensembles.metrics import (
 )
 from chorus.ensembles.selective import SelectiveSession
 from chorus.ensembles.speculative import SpeculativeSession
-from chorus.ensembles.stepping import EnsembleStats, mix, normalised_weights, step_members
+from chorus.ensembles.stepping import EnsembleStats, MemberSessions, normalised_weights
 from chorus.ensembles.topk_union import TopkUnion
 from chorus.errors import CapabilityMismatch, InvalidRequest
 
 SPACES = ("probability", "logit")
 
 
-class AveragedSession:
-    """One sequence of the ensemble (``mode: full``): one session per member, stepped together.
+class AveragedSession(MemberSessions):
+    """One sequence of the ensemble (``mode: full``): every member's session stepped together.
 
     A member that fails raises `MemberFailed` naming it, or (``skip``) is dropped and the remaining
     weights renormalised; ``on_drop(label, error)`` reports it. ``prompts``: each member's own prompt
     (a prompt ensemble: members with their own system messages); otherwise all read the same ids.
     """
 
-    def __init__(self, members: list[Session], weights: torch.Tensor, space: str, vocab: int,
-                 labels: list[str], skip: bool = False,
-                 on_close: Callable[[AveragedSession], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None, *, temperature: float = 1.0,
-                 prompts: list[list[int]] | None = None, stats: EnsembleStats | None = None) -> None:
-        self.members = members
-        self.weights = weights  # (M,)
-        self.space = space
-        self.vocab = vocab
-        self.labels = labels
-        self.skip = skip
-        self.temperature = temperature
-        self.prompts = prompts
-        self.stats = stats if stats is not None else EnsembleStats(labels)
-        self.index = list(range(len(members)))  # each remaining member's place in the stats
-        self._on_close = on_close
-        self._on_drop = on_drop
-
     @property
     def length(self) -> int:
-        return self.members[0].length
+        return self.members[self.alive[0]].length
 
     def combine(self, logits: Sequence[torch.Tensor]) -> torch.Tensor:
-        return mix(logits, self.weights, self.space, self.vocab, self.temperature)
-
-    async def _all(self, calls: list[Awaitable[torch.Tensor]]) -> list[torch.Tensor]:
-        keep, results = await step_members(calls, self.labels, self.skip, self._on_drop)
-        if len(keep) < len(self.members):
-            for i in set(range(len(self.members))) - set(keep):
-                self.members[i].close()
-            self.members = [self.members[i] for i in keep]
-            self.labels = [self.labels[i] for i in keep]
-            self.index = [self.index[i] for i in keep]
-            self.weights = self.weights[keep]
-        return results
+        """The distributions of the members still in, in order, combined."""
+        return self._mix(logits, self.alive)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        prompts = self.prompts if self.prompts is not None else [list(ids)] * len(self.members)
-        out = self.combine(await self._all([m.prefill(p) for m, p in zip(self.members, prompts)]))
+        which = list(self.alive)
+        kept, results = await self._run([self.members[i].prefill(self._prompt_of(i, ids)) for i in which], which)
         self.stats.positions += 1
         self.stats.consulted += 1
-        return out
+        return self._mix(results, kept)
 
     async def step(self, token: int) -> torch.Tensor:
         return (await self.extend([token]))[-1]
 
     async def extend(self, ids: Sequence[int]) -> torch.Tensor:
-        rows = await self._all([m.extend(ids) for m in self.members])
-        for i in self.index:
+        which = list(self.alive)
+        kept, rows = await self._run([self.members[i].extend(ids) for i in which], which)
+        for i in kept:
             self.stats.fed[i] += len(ids)
         self.stats.positions += len(ids)
         self.stats.consulted += len(ids)
-        return torch.stack([self.combine([r[j] for r in rows]) for j in range(len(ids))])
+        return torch.stack([self._mix([r[j] for r in rows], kept) for j in range(len(ids))])
 
     def rollback(self, n: int) -> None:
-        for m in self.members:
-            m.rollback(n)
-
-    def close(self) -> None:
-        for m in self.members:
-            m.close()
-        if self._on_close is not None:
-            self._on_close(self)
+        for i in self.alive:
+            self.members[i].rollback(n)
 
 
 MODES = ("full", "selective", "speculative")
@@ -187,35 +154,28 @@ class LogitAverage(SessionEngine):
 
     def _open_session(self, mode: str) -> Session:
         sessions = self._member_sessions()
+        common: dict[str, Any] = {
+            "weights": self.weights, "space": self.space, "vocab": self.vocab, "labels": list(self.labels),
+            "stats": self.tally, "temperature": self.temperature, "prompts": self.prompts, "skip": self.skip,
+            "on_close": self._open.discard, "on_drop": self.on_drop}
         session: Session
         if mode == "selective":
-            session = SelectiveSession(sessions, lead=self.lead, gate_by=self.gate_by, gate=self.gate, **self._common())
+            session = SelectiveSession(sessions, lead=self.lead, gate_by=self.gate_by, gate=self.gate, **common)
         elif mode == "speculative":
             session = SpeculativeSession(sessions, lead=self.lead, k=self.k, max_len=self.max_model_len,
-                                         eos=self.tokenizer.eos_token_ids, **self._common())
+                                         eos=self.tokenizer.eos_token_ids, **common)
         else:
-            session = AveragedSession(sessions, self.weights, self.space, self.vocab, list(self.labels), self.skip,
-                                      self._open.discard, self.on_drop, temperature=self.temperature,
-                                      prompts=self.prompts, stats=self.tally)
+            session = AveragedSession(sessions, **common)
         self._open.add(session)
         return session
-
-    def _common(self) -> dict[str, Any]:
-        return {"weights": self.weights, "space": self.space, "vocab": self.vocab, "labels": list(self.labels),
-                "stats": self.tally, "temperature": self.temperature, "prompts": self.prompts, "skip": self.skip,
-                "on_close": self._open.discard, "on_drop": self.on_drop}
 
     @property
     def active_sessions(self) -> int:
         return len(self._open)
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        """The full mixture's logprobs whatever the mode (selective and speculative sample, not score)."""
-        mode, self.mode = self.mode, "full"
-        try:
-            return await super().prompt_logprobs(ids, k)
-        finally:
-            self.mode = mode
+    def scoring_session(self) -> Session:
+        """Scoring reads the full mixture whatever the mode (a selective session would give the lead's)."""
+        return self._open_session("full")
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         """Probability space: each member scores the continuations its own (fastest) way and each token's
@@ -374,7 +334,8 @@ class LogitAverageStrategy(Strategy):
             dropped.append(label)
             call.trace.setdefault("errors", []).append({"member": label, "error": error})
 
-        reqs = [call.request(m) for m in self.members]
+        own = self.personas or self.params.align == "topk_union"  # each member renders its own prompt
+        reqs = [call.request(m) for m in self.members] if own else [call.request(self.members[0])] * len(self.members)
         prompts = [r.prompt_ids for r in reqs] if self.personas else None
         engine = self.engine(call.on_member_error == "skip", on_drop, prompts)
         call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,
@@ -387,8 +348,6 @@ class LogitAverageStrategy(Strategy):
             if engine.approximate:
                 call.trace["note"] = (f"approximate: {', '.join(engine.approximate)} served remotely give only their "
                                       "top-k logprobs; other tokens count as probability 0 for them")
-            if prompts is None:
-                reqs = [reqs[0]] * len(self.members)
             lead = reqs[engine.lead]
             params = lead.params
             if params.max_tokens is None:  # up to the context window: the member with the longest prompt's

@@ -11,13 +11,13 @@ even prefills its prompt. At consulted positions the mixture may be sharpened (`
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from chorus.engines.base import Session
-from chorus.ensembles.stepping import LeadSessionBase, mix, step_members
+from chorus.ensembles.stepping import LeadSessionBase
 
 
 def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
@@ -43,17 +43,11 @@ class SelectiveSession(LeadSessionBase):
     def length(self) -> int:
         return self.members[self.lead].length
 
-    def _prompt_of(self, i: int) -> list[int]:
-        return self.prompts[i] if self.prompts is not None else self.prompt
-
-    async def _lead_call(self, call: Awaitable[torch.Tensor]) -> torch.Tensor:
-        _, (logits,) = await step_members([call], [self.labels[self.lead]], False)
-        return logits
-
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self.prompt = list(ids)
         self.stats.prompted[self.lead] = True
-        return await self._decide(await self._lead_call(self.members[self.lead].prefill(self._prompt_of(self.lead))))
+        lead = self.members[self.lead].prefill(self._prompt_of(self.lead, ids))
+        return await self._decide(await self._lead_call(lead))
 
     async def step(self, token: int) -> torch.Tensor:
         logits = await self._lead_call(self.members[self.lead].step(token))
@@ -70,13 +64,8 @@ class SelectiveSession(LeadSessionBase):
         if not others or not uncertain(lead, self.gate_by, self.gate):
             return lead
         self.stats.consulted += 1
-        keep, results = await step_members([self._catch_up(i) for i in others], [self.labels[i] for i in others],
-                                           self.skip, self._on_drop)
-        for gone in set(others) - {others[k] for k in keep}:
-            self.members[gone].close()
-            self.alive.remove(gone)
-        idx = [self.lead] + [others[k] for k in keep]
-        return mix([lead, *results], self.weights[idx], self.space, self.vocab, self.temperature)
+        kept, results = await self._run([self._catch_up(i) for i in others], others)
+        return self._mix([lead, *results], [self.lead, *kept])
 
     async def _catch_up(self, i: int) -> torch.Tensor:
         """Member i's next-token logits after everything so far: the tokens it missed, in one chunk."""
@@ -85,5 +74,5 @@ class SelectiveSession(LeadSessionBase):
         self.stats.catch_up[i] += len(missed)
         if not self.started[i]:
             self.started[i] = self.stats.prompted[i] = True
-            return await self.members[i].prefill(self._prompt_of(i) + missed)
+            return await self.members[i].prefill(self._prompt_of(i, self.prompt) + missed)
         return (await self.members[i].extend(missed))[-1]

@@ -20,14 +20,14 @@ What is saved is the other members' forwards: one per round instead of one per t
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from chorus.engines.base import Session
 from chorus.ensembles.base import gather
-from chorus.ensembles.stepping import LeadSessionBase, mix, step_members
+from chorus.ensembles.stepping import LeadSessionBase
 
 
 class SpeculativeSession(LeadSessionBase):
@@ -47,23 +47,10 @@ class SpeculativeSession(LeadSessionBase):
     def length(self) -> int:
         return self.members[self.lead].length - len(self.ahead) - len(self.prefetched)
 
-    def _mix(self, logits: Sequence[torch.Tensor], members: list[int]) -> torch.Tensor:
-        return mix(logits, self.weights[members], self.space, self.vocab, self.temperature)
-
-    async def _members(self, calls: list[Awaitable[torch.Tensor]], which: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-        """Calls of the non-lead members ``which``: a failed one fails the request, or (``skip``) is dropped."""
-        keep, results = await step_members(calls, [self.labels[i] for i in which], self.skip, self._on_drop)
-        for gone in set(which) - {which[k] for k in keep}:
-            self.members[gone].close()
-            self.alive.remove(gone)
-        return [which[k] for k in keep], results
-
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        order = [self.lead] + [i for i in self.alive if i != self.lead]
-        prompts = [self.prompts[i] if self.prompts is not None else list(ids) for i in order]
-        _, (lead,) = await step_members([self.members[self.lead].prefill(prompts[0])], [self.labels[self.lead]], False)
-        kept, rest = await self._members([self.members[i].prefill(p) for i, p in zip(order[1:], prompts[1:])],
-                                         order[1:])
+        others = [i for i in self.alive if i != self.lead]
+        lead = await self._lead_call(self.members[self.lead].prefill(self._prompt_of(self.lead, ids)))
+        kept, rest = await self._run([self.members[i].prefill(self._prompt_of(i, ids)) for i in others], others)
         self.stats.positions += 1
         self.stats.consulted += 1
         return self._mix([lead, *rest], [self.lead, *kept])
@@ -94,7 +81,7 @@ class SpeculativeSession(LeadSessionBase):
         lead = self.members[self.lead]
         fed, rows = [first], []
         while True:
-            _, (q,) = await step_members([lead.step(fed[-1])], [self.labels[self.lead]], False)
+            q = await self._lead_call(lead.step(fed[-1]))
             rows.append(q)
             draft = int(torch.argmax(q[: self.vocab]))
             if len(fed) >= min(self.k, room) or draft in self.eos:
@@ -115,7 +102,7 @@ class SpeculativeSession(LeadSessionBase):
         others = [i for i in self.alive if i != self.lead]
         # room for the next round: the lead has read this round already, the others will have
         ahead_room = self.max_len - max([self.members[self.lead].length] + [lengths[i] + len(fed) for i in others])
-        verify = self._members([self.members[i].extend(fed) for i in others], others)
+        verify = self._run([self.members[i].extend(fed) for i in others], others)
         if ahead_room >= 1 and drafts[-1] not in self.eos:
             (kept, rows), (self.prefetched, self.prefetched_rows) = await gather(
                 verify, self._draft(drafts[-1], ahead_room))

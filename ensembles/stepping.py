@@ -27,7 +27,8 @@ def mix(logits: Sequence[torch.Tensor], weights: torch.Tensor, space: str, vocab
     probability space gives ``log sum_i w_i softmax(z_i)`` (log-probabilities: sampling acts on that
     mixture itself), logit space ``sum_i w_i z_i``. ``temperature`` < 1 sharpens the result."""
     z = torch.stack([x[:vocab].float() for x in logits])  # (M, V)
-    w = weights / weights.sum()
+    # the members left may all have weight 0 (the others were dropped): then they count equally
+    w = weights / weights.sum() if weights.sum() > 0 else torch.full_like(weights, 1 / len(weights))
     if space == "logit":
         out = (w[:, None] * z).sum(0)
     else:
@@ -94,29 +95,64 @@ async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequenc
     return keep, [results[i] for i in keep]  # type: ignore[misc]
 
 
-class LeadSessionBase:
-    """What the selective and speculative sessions share: members led by one of them, combined with weights
-    (`mix`), counted in a request's `EnsembleStats`; driven token by token by the decode loop (``extend``
-    steps each token); they cannot be rolled back themselves, and close every member's session."""
+class MemberSessions:
+    """One sequence of a token ensemble: each member's own session, the members still in (``alive``: a
+    member that fails is dropped with ``skip``, else the request fails naming it), their weights, space
+    and vocabulary for `mix`, each member's own prompt (``prompts``: a prompt ensemble) or the one given
+    to prefill, and the request's `EnsembleStats`. Closing it closes every member's session."""
 
-    def __init__(self, members: list[Any], *, lead: int, weights: torch.Tensor, space: str, vocab: int,
-                 labels: list[str], stats: EnsembleStats, temperature: float = 1.0,
-                 prompts: list[list[int]] | None = None, skip: bool = False,
-                 on_close: Callable[[Any], None] | None = None,
+    def __init__(self, members: list[Any], *, weights: torch.Tensor, space: str, vocab: int, labels: list[str],
+                 stats: EnsembleStats, temperature: float = 1.0, prompts: list[list[int]] | None = None,
+                 skip: bool = False, on_close: Callable[[Any], None] | None = None,
                  on_drop: Callable[[str, str], None] | None = None) -> None:
         self.members = members
-        self.lead = lead
         self.weights = weights
         self.space = space
         self.vocab = vocab
         self.labels = labels
         self.stats = stats
         self.temperature = temperature
-        self.prompts = prompts  # each member's own prompt (a prompt ensemble), else the one given to prefill
+        self.prompts = prompts
         self.skip = skip
         self._on_close = on_close
         self._on_drop = on_drop
         self.alive = list(range(len(members)))
+
+    def _prompt_of(self, i: int, ids: Sequence[int]) -> list[int]:
+        return self.prompts[i] if self.prompts is not None else list(ids)
+
+    def _mix(self, logits: Sequence[torch.Tensor], which: list[int]) -> torch.Tensor:
+        """The distributions of members ``which`` (in that order) combined with their weights."""
+        return mix(logits, self.weights[which], self.space, self.vocab, self.temperature)
+
+    async def _run(self, calls: list[Awaitable[torch.Tensor]], which: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """Calls of members ``which``, concurrently: the members still in and their results. A failed member
+        fails the request, or (``skip``) is closed and dropped."""
+        keep, results = await step_members(calls, [self.labels[i] for i in which], self.skip, self._on_drop)
+        for gone in set(which) - {which[k] for k in keep}:
+            self.members[gone].close()
+            self.alive.remove(gone)
+        return [which[k] for k in keep], results
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+        if self._on_close is not None:
+            self._on_close(self)
+
+
+class LeadSessionBase(MemberSessions):
+    """What the selective and speculative sessions share: one member, the lead, decodes; a failed lead fails
+    the request. They are driven token by token by the decode loop (``extend`` steps each token) and cannot
+    be rolled back themselves."""
+
+    def __init__(self, members: list[Any], *, lead: int, **common: Any) -> None:
+        super().__init__(members, **common)
+        self.lead = lead
+
+    async def _lead_call(self, call: Awaitable[torch.Tensor]) -> torch.Tensor:
+        _, (logits,) = await step_members([call], [self.labels[self.lead]], False)
+        return logits
 
     async def step(self, token: int) -> torch.Tensor:  # pragma: no cover - each mode implements it
         raise NotImplementedError
@@ -126,9 +162,3 @@ class LeadSessionBase:
 
     def rollback(self, n: int) -> None:
         raise InvalidRequest(f"a {type(self).__name__} cannot roll back")
-
-    def close(self) -> None:
-        for m in self.members:
-            m.close()
-        if self._on_close is not None:
-            self._on_close(self)

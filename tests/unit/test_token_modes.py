@@ -222,3 +222,12 @@ def test_disconnect_mid_stream_frees_every_member(server, fakes, mode: str) -> N
                 break
     assert wait_until(lambda: slow.active_sessions == 0), slow.active_sessions
     assert slow.steps - steps0 < 200  # cancelled, not run to 5000 tokens
+
+
+async def test_a_dropped_member_leaves_the_others_even_with_zero_weight() -> None:
+    """skip: the member with all the weight fails; the one left (weight 0) carries on alone, not NaN."""
+    good, bad = FakeEngine("good", script="hello"), FakeEngine("bad", script="zzzzzzzz", fail_after=2)
+    dropped: list[str] = []
+    ens = LogitAverage([good, bad], [0, 1], skip=True, on_drop=lambda label, _: dropped.append(label))
+    out = await ens.generate(prompt(good, temperature=0, max_tokens=8))
+    assert dropped == ["bad"] and out.choices[0].text.endswith("llo")
