@@ -168,26 +168,23 @@ async def bench_modes(models: dict[str, Any], args: argparse.Namespace, device: 
         await engines["lead"].generate(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=4)))
         for pair, other in (("same weights twice (best case)", "lead"), ("two random inits (worst case)", "other")):
             members: list[Any] = [engines["lead"], engines[other]]  # engines by shape (ids, not words)
-            results: dict[str, tuple[float, Any]] = {}
-            for label, system in [("lead alone", engines["lead"]), ("full", LogitAverage(members)),
-                                  (f"selective, gate {args.gate:g}", LogitAverage(members, mode="selective",
-                                                                                  gate=args.gate)),
-                                  (f"speculative, k={args.k}", LogitAverage(members, mode="speculative", k=args.k))]:
+            systems = {"lead alone": engines["lead"], "full": LogitAverage(members),
+                       f"selective, gate {args.gate:g}": LogitAverage(members, mode="selective", gate=args.gate),
+                       f"speculative, k={args.k}": LogitAverage(members, mode="speculative", k=args.k)}
+            results: dict[str, tuple[float, list[int]]] = {}  # label -> tokens/s, output ids
+            for label, system in systems.items():
                 sync(device)
                 t0 = time.perf_counter()
                 out = await system.generate(req)
                 sync(device)
-                results[label] = (out.completion_tokens / (time.perf_counter() - t0), system)
-                results[label + " ids"] = (0.0, out.choices[0].token_ids)
-            full_rate = results["full"][0]
+                results[label] = (out.completion_tokens / (time.perf_counter() - t0), out.choices[0].token_ids)
+            full_rate, full_ids = results["full"]
             lead_rate = results["lead alone"][0]
-            for label in ("lead alone", "full", f"selective, gate {args.gate:g}", f"speculative, k={args.k}"):
-                rate, system = results[label]
-                tally = getattr(system, "tally", None)
+            for label, (rate, ids) in results.items():
+                tally = getattr(systems[label], "tally", None)
                 share = "-" if tally is None else f"{100 * tally.consulted / max(tally.positions, 1):.0f}%"
                 accept = "-" if tally is None or not tally.proposed else f"{100 * tally.accepted / tally.proposed:.0f}%"
-                same = "-" if label in ("full", "lead alone") else (
-                    "yes" if results[label + " ids"][1] == results["full ids"][1] else "no")
+                same = "-" if label in ("full", "lead alone") else ("yes" if ids == full_ids else "no")
                 rows.append([pair, label, f"{rate:.1f}", f"{rate / full_rate:.2f}x", f"{rate / lead_rate:.2f}x",
                              share, accept, same])
     finally:
