@@ -220,6 +220,12 @@ class LogitAverageParams(BaseModel):
         if self.align == "topk_union" and self.mode != "full":
             raise ValueError(f"mode {self.mode!r} needs one shared vocabulary (align: vocab); topk_union "
                              "ensembles run in mode 'full'")
+        if self.align == "topk_union" and self.space != "probability":
+            raise ValueError("topk_union averages probabilities over the union's strings: space 'logit' needs "
+                             "align 'vocab'")
+        if self.align == "topk_union" and self.mixture_temperature != 1.0:
+            raise ValueError("mixture_temperature applies to align 'vocab'; topk_union mixes over the union's "
+                             "strings without it")
         return self
 
 
