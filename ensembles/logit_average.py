@@ -220,6 +220,8 @@ class LogitAverageParams(BaseModel):
         if self.align == "topk_union" and self.mode != "full":
             raise ValueError(f"mode {self.mode!r} needs one shared vocabulary (align: vocab); topk_union "
                              "ensembles run in mode 'full'")
+        if self.align == "vocab" and "top_k" in self.model_fields_set:
+            raise ValueError("'top_k' applies to align 'topk_union' (one shared vocabulary averages every token)")
         if self.align == "topk_union" and self.space != "probability":
             raise ValueError("topk_union averages probabilities over the union's strings: space 'logit' needs "
                              "align 'vocab'")

@@ -299,6 +299,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
      "mixture_temperature applies"),
     ({"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "space": "logit"},
      "space 'logit' needs align 'vocab'"),
+    ({"strategy": "logit_average", "members": ["fake", "fake"], "top_k": 5}, "'top_k' applies to align"),
     ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "have neither: textonly"),
     ({"strategy": "exchange_of_thought", "members": ["a42", "b42"], "answer_pattern": "("}, "regular expression"),
     ({"members": ["a42", "b42"]}, "strategy"),
