@@ -40,6 +40,9 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("train", "modr"): Command("train MoDr's LoRA branches and router (retrofitting a Llama base, or continuing "
                                "a MoDr checkpoint)", "chorus.cli.families:train_modr",
                                "chorus.cli.families:train_modr_arguments", config=False),
+    ("train", "duma"): Command("train a DUMA multiple-choice scorer (co-attention head, or the baseline head, on "
+                               "a fine-tuned encoder)", "chorus.cli.families:train_duma",
+                               "chorus.cli.families:train_duma_arguments", config=False),
     ("eval",): Command("accuracy of models and ensembles on a JSONL dataset, side by side",
                        "chorus.clients.eval:main", "chorus.clients.eval:add_arguments"),
     ("eval", "addition"): Command("2- and 3-digit addition, greedy, exact match: models vs token-level ensembles",

@@ -1,4 +1,5 @@
-"""``chorus upcycle``, ``chorus graft`` and ``chorus train modr``: building model-family checkpoints."""
+"""``chorus upcycle``, ``chorus graft``, ``chorus train modr`` and ``chorus train duma``: building model-family
+checkpoints."""
 
 from __future__ import annotations
 
@@ -107,3 +108,42 @@ def train_modr_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--log-every", type=int, default=10)
     m.add_argument("--force", action="store_true")
+
+
+def train_duma(args: argparse.Namespace) -> int:
+    from chorus.engines.families.duma import DumaConfig
+    from chorus.engines.families.duma_train import TrainConfig
+    from chorus.engines.families.duma_train import train_duma as train
+    from chorus.errors import BuildError
+
+    cfg = DumaConfig(head=args.head, fuse=args.fuse, heads=args.heads, dropout=args.dropout, max_length=args.max_length)
+    tc = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
+                     evals_per_epoch=args.evals_per_epoch, seed=args.seed, device=args.device, log_every=args.log_every)
+    try:
+        train(args.data, args.out, cfg, tc, dev=args.dev, encoder=args.encoder, force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def train_duma_arguments(d: argparse.ArgumentParser) -> None:
+    from chorus.engines.families.duma import FUSES, HEADS
+
+    d.add_argument("--data", required=True, help="multiple-choice JSONL: choices, label, question | goal | context")
+    d.add_argument("--dev", help="dev JSONL for checkpoint selection (default: 10%% of --data held out)")
+    d.add_argument("--out", required=True)
+    d.add_argument("--encoder", default="minilm", help="'minilm' (all-MiniLM-L6-v2, packaged) or an encoder directory")
+    d.add_argument("--head", choices=HEADS, default="duma", help="duma: co-attention; baseline: mean-pool + linear")
+    d.add_argument("--fuse", choices=FUSES, default="cat", help="how the two co-attention outputs combine")
+    d.add_argument("--heads", type=int, help="co-attention heads (default: the encoder's)")
+    d.add_argument("--dropout", type=float, default=0.1)
+    d.add_argument("--epochs", type=int, default=2)
+    d.add_argument("--batch-size", type=int, default=8, help="items per step (each with all its options)")
+    d.add_argument("--lr", type=float, default=5e-5, help="the encoder's learning rate")
+    d.add_argument("--head-lr", type=float, default=1e-3)
+    d.add_argument("--max-length", type=int, default=128, help="tokens per (prompt, option) pair")
+    d.add_argument("--evals-per-epoch", type=int, default=2)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--log-every", type=int, default=50)
+    d.add_argument("--force", action="store_true")

@@ -86,10 +86,11 @@ def load_items(path: Path, offset: int, limit: int | None) -> list[Item]:
     for n, line in enumerate(rows[offset:], offset + 1):
         row = json.loads(line)
         try:
-            if "context" in row:
-                prompt = row["context"] + " "
+            question = row.get("question", row.get("goal"))
+            if "context" in row:  # a passage (with a question), or a sentence to complete (HellaSwag)
+                prompt = f"{row['context']}\nQuestion: {question}\nAnswer: " if question else row["context"] + " "
             else:
-                prompt = f"Question: {row.get('goal', row.get('question'))}\nAnswer: "
+                prompt = f"Question: {question}\nAnswer: "
             items.append(Item(str(row.get("id", n)), prompt, list(row["choices"]), int(row["label"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"chorus eval: {path}:{n}: need 'choices', 'label' and a question ({exc})") from None

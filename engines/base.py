@@ -23,6 +23,8 @@ STREAM = "stream"
 LOGITS = "logits"
 #: sessions whose logits hold only the top-k tokens (a remote server's top logprobs; -inf elsewhere)
 TOPK_LOGITS = "topk_logits"
+#: a multiple-choice scorer (engines/scorer.py): one logit per option, no text, no tokens
+CHOICES = "choices"
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,17 @@ class Session(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ChoiceScorer(Protocol):
+    """A model that scores a prompt's options directly (engines/scorer.py), with no tokens or text."""
+
+    name: str
+
+    async def score_options(self, prompt: str, options: Sequence[str]) -> tuple[list[float], int]:
+        """One logit per option, and the tokens read."""
+        ...
 
 
 def check_rollback(n: int, length: int) -> None:

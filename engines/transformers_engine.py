@@ -69,12 +69,18 @@ class TransformersEngine(SessionEngine):
         return await self.runner.score_continuations(prefix, continuations)
 
     @classmethod
-    def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> TransformersEngine:
+    def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> Any:
+        """The engine for a config entry: a causal LM (this class), or a DUMA checkpoint's scorer."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from chorus.engines.families.duma import is_duma_dir
         from chorus.engines.prepare import is_prepared
 
         path = spec.checkpoint_dir(chorus_home())
+        if not spec.needs_prepare and is_duma_dir(path):
+            from chorus.engines.scorer import ScorerEngine
+
+            return ScorerEngine.load(spec, models)
         if spec.needs_prepare and not is_prepared(path):
             raise EngineUnavailable(f"model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
         if not (path / "config.json").is_file():

@@ -24,7 +24,16 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from chorus.engines.base import TEXT, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from chorus.engines.base import (
+    TEXT,
+    ChoiceScorer,
+    Delta,
+    Engine,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
 from chorus.engines.generation import collect, encode_prompt
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion, average
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS, MEMBER_CALLS
@@ -40,6 +49,7 @@ STRATEGIES: dict[str, str] = {
     "mixture_of_agents": "chorus.ensembles.mixture_of_agents:MixtureOfAgents",
     "route": "chorus.ensembles.route:Route",
     "cascade": "chorus.ensembles.cascade:Cascade",
+    "choice_average": "chorus.ensembles.choice_average:ChoiceAverage",
 }
 
 
@@ -284,6 +294,8 @@ class Strategy:
     supports_logprobs: ClassVar[bool] = False
     default_on_member_error: ClassVar[str] = "skip"
     min_members: ClassVar[int] = 2
+    #: serves /v1/choices only (its members may be scorer models, which generate nothing)
+    scores_only: ClassVar[bool] = False
 
     def __init__(self, name: str, members: list[Member], params: Any, engines: dict[str, Engine],
                  ensemble: str | None = None) -> None:
@@ -323,9 +335,9 @@ class Strategy:
 
         async def one(m: Member) -> ChoiceAnswer:
             msgs = m.persona(question.messages) if question.messages is not None else None
-            scores = await question.score(m.engine, msgs)
-            call.record(m, scores.tokens_scored, 0)
-            return ChoiceAnswer.of(scores, question.normalisations)
+            answer, tokens = await question.answer(m.engine, msgs)
+            call.record(m, tokens, 0)
+            return answer
 
         answers = await gather(*(one(m) for m in self.members))
         probabilities = average(answers, weights)
@@ -389,6 +401,11 @@ class Ensemble:
             raise InvalidRequest(f"Ensemble strategy {spec.strategy!r} needs at least {klass.member_minimum(params)} "
                                  f"members, "
                                  f"got {len(members)}.", param="ensemble.members")
+        scorers = [m.label for m in members if isinstance(m.engine, ChoiceScorer)]
+        if scorers and not klass.scores_only:
+            raise CapabilityMismatch(f"{', '.join(scorers)}: multiple-choice scorer model(s), which generate nothing; "
+                                     "they can only join a 'choice_average' ensemble (POST /v1/choices).",
+                                     param="ensemble.members")
         lacking = sorted({m.label for m in members if not klass.requires <= m.engine.capabilities})
         if lacking:
             raise CapabilityMismatch(
@@ -399,6 +416,9 @@ class Ensemble:
     def call(self, prompt: Prompt, sampling: Callable[[dict[str, float]], SamplingParams], *, n: int = 1,
              logprobs: bool = False) -> Call:
         s = self.strategy
+        if s.scores_only:
+            raise InvalidRequest(f"The {self.spec.strategy!r} ensemble scores choices only (POST /v1/choices); it "
+                                 "generates no text.", param="model")
         if n > 1 and not s.token_level:
             raise InvalidRequest(f"'n' must be 1 with the text-level strategy {self.spec.strategy!r}.", param="n")
         if logprobs and not (s.token_level or s.supports_logprobs):

@@ -5,16 +5,19 @@ normalisation. An ensemble's members may tokenize differently, so in general the
 where they agree on the unit: the choices. ``probabilities`` averages the members' distributions over
 the choices with normalised weights, per normalisation. Members that share one vocabulary can also
 combine per token (``tokens``: the logit_average strategy's mixture scores each choice token).
+A scorer model (DUMA) answers with one distribution over the choices; ``choice_average`` ensembles
+average it with language models' distributions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chorus.engines.base import Engine
-from chorus.engines.scoring import NORMALISATIONS, ChoiceScores, argmax, score_choices
+from chorus.engines.base import ChoiceScorer, Engine
+from chorus.engines.scoring import NORMALISATIONS, ChoiceScores, argmax, score_choices, softmax
 from chorus.errors import InvalidRequest
 
 COMBINES = ("probabilities", "tokens")
@@ -40,6 +43,22 @@ class ChoiceQuestion:
         msgs = messages if messages is not None else self.messages
         return await score_choices(engine, self.choices, text=self.text, messages=msgs,
                                    unconditional="unconditional" in self.normalisations)
+
+    async def answer(self, engine: Engine, messages: list[dict[str, Any]] | None = None) -> tuple[ChoiceAnswer, int]:
+        """One engine's answer and the tokens it read: a language model's scores made into probabilities per
+        normalisation, or a scorer's (engines/scorer.py) one distribution, reported under every normalisation
+        asked for (it has no token logprobs to normalise)."""
+        if not isinstance(engine, ChoiceScorer):
+            scores = await self.score(engine, messages)
+            return ChoiceAnswer.of(scores, self.normalisations), scores.tokens_scored
+        if self.text is None:
+            raise InvalidRequest(f"The scorer '{engine.name}' reads a text 'prompt' (passage and question), not chat "
+                                 "'messages'.", param="messages")
+        logits, tokens = await engine.score_options(self.text, self.choices)
+        probs = softmax(logits)
+        top = max(logits)
+        log_z = top + math.log(sum(math.exp(x - top) for x in logits))
+        return ChoiceAnswer({n: probs for n in self.normalisations}, [x - log_z for x in logits]), tokens
 
 
 @dataclass

@@ -83,9 +83,8 @@ async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
             raise InvalidRequest("'trace' on /v1/choices applies to ensembles only.", param="trace")
         engine = resolve(request, req.model)
         served_by(request, req.model, body=req)
-        scores = await until_disconnect(request, question.score(engine))
-        answer = ChoiceAnswer.of(scores, question.normalisations)
-        usage = P.usage(scores.tokens_scored, 0)
+        answer, tokens = await until_disconnect(request, question.answer(engine))
+        usage = P.usage(tokens, 0)
     settle(request, req.model, usage)
     return reply(req, answer, usage)
 
@@ -102,8 +101,8 @@ def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> d
     }
     if req.logprobs:
         if answer.per_token is None:
-            raise InvalidRequest("'logprobs' needs one tokenization under the scores: a single model, or "
-                                 "combine 'tokens'.", param="logprobs")
+            raise InvalidRequest("'logprobs' needs one tokenization under the scores: a single language model, "
+                                 "or combine 'tokens' (a scorer model has no token logprobs).", param="logprobs")
         for i, c in enumerate(out["choices"]):
             c["token_logprobs"] = answer.per_token[i]
             c["unconditional_logprob"] = None if answer.unconditional is None else answer.unconditional[i]

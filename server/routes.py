@@ -11,9 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import Engine, GenerationRequest
+from chorus.engines.base import ChoiceScorer, Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
-from chorus.errors import InvalidRequest, ModelNotFound
+from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls
 from chorus.server import protocol as P
 from chorus.server.accounting import served_by
@@ -39,12 +39,27 @@ def resolve(request: Request, name: str) -> Engine:
     return found
 
 
+def generator(request: Request, name: str) -> Engine:
+    """The engine behind chat / completions: a scorer model (DUMA) generates nothing, a 400 says so."""
+    engine = resolve(request, name)
+    if isinstance(engine, ChoiceScorer):
+        raise CapabilityMismatch(f"The model '{name}' is a multiple-choice scorer: it only scores choices "
+                                 "(POST /v1/choices); it cannot generate text.", param="model")
+    return engine
+
+
 def model_card(request: Request, name: str) -> dict[str, Any]:
-    card = {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "chorus"}
+    """OpenAI's model object, plus chorus's ``kind`` (language_model, scorer, ensemble) and ``capabilities``."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "chorus"}
     if name in ensembles(request):
         e = ensembles(request)[name]
+        card["kind"] = "ensemble"
         card["ensemble"] = {"strategy": e.spec.strategy, "members": [m.label for m in e.strategy.members],
                             "description": e.description}
+    else:
+        engine = engines(request)[name]
+        card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else "language_model"
+        card["capabilities"] = sorted(engine.capabilities)
     return card
 
 
@@ -96,7 +111,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble)
-    engine = resolve(request, req.model)
+    engine = generator(request, req.model)
     served_by(request, req.model, body=req)
     gen_req = req.to_generation_request(engine)
     work = Work([lambda: engine.generate(gen_req)], [lambda: engine.stream(gen_req)],
@@ -110,7 +125,7 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
-    engine = resolve(request, req.model)
+    engine = generator(request, req.model)
     served_by(request, req.model, body=req)
     gen_reqs = req.to_generation_requests(engine)
     prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)

@@ -1,0 +1,42 @@
+"""``choice_average``: a scoring-only ensemble; each member's distribution over a question's choices, averaged.
+
+Members may be language models (each scores the choices with its own tokenizer, engines/scoring.py) or
+scorer models such as a trained DUMA (engines/scorer.py), which answer with one distribution over the
+choices. The average uses ``weights`` (normalised; equal by default), per normalisation: a scorer's one
+distribution stands in for every normalisation. The ensemble serves ``POST /v1/choices`` only; chat and
+completions with it are a 400 (it has nothing to generate with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from chorus.engines.base import Delta
+from chorus.ensembles.base import Call, Strategy
+from chorus.ensembles.spec import member_weights
+from chorus.errors import InvalidRequest
+
+
+class ChoiceAverageParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weights: list[float] | None = Field(default=None, description="one per member; normalised; default equal")
+
+
+class ChoiceAverage(Strategy):
+    requires = frozenset()  # a language model or a scorer: anything that scores choices
+    Params = ChoiceAverageParams
+    scores_only = True
+
+    def check(self) -> None:
+        member_weights(self.params.weights, len(self.members))
+        own = [m.label for m in self.members
+               if m.spec.temperature is not None or m.spec.top_p is not None or m.spec.seed is not None]
+        if own:
+            raise InvalidRequest("choice_average samples nothing: per-member temperature / top_p / seed do not apply "
+                                 f"(members: {', '.join(own)}).", param="ensemble.members")
+
+    def stream(self, call: Call) -> AsyncGenerator[Delta, None]:  # pragma: no cover - Ensemble.call refuses first
+        raise InvalidRequest("choice_average scores choices only (POST /v1/choices).", param="model")
