@@ -283,10 +283,11 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
     systems: list[Scored] = []
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, headers=headers) as http:
         cards = (await http.get("/models")).json().get("data", [])
-        named = {c["id"] for c in cards if c.get("ensemble")}
+        # token logprobs (for 'tokens' mixes) from language models; ensembles and scorer models have none
+        plain = {c["id"] for c in cards if not c.get("ensemble") and c.get("kind") != "scorer"}
         for name in args.model or []:
             cached = cache_file(cache, data, name) if cache else None
-            asked = {"model": name} if name in named else {"model": name, "logprobs": True}  # for 'tokens' mixes
+            asked = {"model": name, "logprobs": True} if name in plain else {"model": name}
             systems.append(await run_system(http, name, asked, items, cached, args.concurrency))
         for i, raw in enumerate(args.ensemble or []):
             spec = json.loads(raw)

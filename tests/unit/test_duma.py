@@ -274,3 +274,18 @@ def test_what_a_scorer_cannot_do_is_a_400_naming_the_param(served: tuple[LiveSer
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
+
+
+def test_chorus_eval_scores_a_scorer_next_to_a_language_model(served: tuple[LiveServer, ScorerEngine],
+                                                              tmp_path: Path) -> None:
+    srv, _ = served
+    data = write_jsonl(tmp_path / "mc.jsonl", [{"id": f"q{i}", "question": f"question {i}", "choices": ["abc", "zzz"],
+                                               "label": i % 2} for i in range(8)])
+    cmd = [sys.executable, "-m", "chorus", "eval", "--url", srv.url + "/v1", "--data", str(data), "--model", "duma",
+           "--model", "fake", "--mix", json.dumps({"label": "avg", "members": ["duma", "fake"]}),
+           "--ensemble", json.dumps({"label": "served", "strategy": "choice_average", "members": ["duma", "fake"]})]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "acc [" not in line}
+    assert rows == {"duma", "fake", "avg", "served"}
+    agree = next(line for line in out.splitlines() if line.startswith("- served (served) vs avg (from"))
+    assert float(agree.split("probability ")[1].split()[0]) < 1e-6  # the served average = the cached scores'
