@@ -169,6 +169,8 @@ class ChoiceScorer(Protocol):
     """A model that scores a prompt's options directly (engines/scorer.py), with no tokens or text."""
 
     name: str
+    #: what the scorer is (family, head, ...), for ``/v1/models``
+    description: dict[str, Any]
 
     async def score_options(self, prompt: str, options: Sequence[str]) -> tuple[list[float], int]:
         """One logit per option, and the tokens read."""

@@ -38,7 +38,11 @@ class ScorerEngine:
         self.hf_tokenizer = tokenizer
         self.device = spec.device
         self.max_model_len = int(model.cfg.max_length)
-        self.kind = f"scorer:duma/{model.cfg.head}" + ("" if model.cfg.head == "baseline" else f"/{model.cfg.fuse}")
+        cfg = model.cfg
+        self.kind = "DUMA, " + ("baseline head" if cfg.head == "baseline" else f"co-attention head, fuse {cfg.fuse}")
+        #: what ``/v1/models`` says about the scorer
+        self.description = {"family": "duma", "head": cfg.head, "fuse": None if cfg.head == "baseline" else cfg.fuse,
+                            "encoder": cfg.encoder, "max_length": cfg.max_length}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"scorer-{spec.name}")
         self.calls = 0
         self.options_scored = 0

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from chorus.engines.base import Choice, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
 from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
+from chorus.server import unsupported
 
 
 def new_id(prefix: str) -> str:
@@ -55,6 +56,7 @@ class _Sampling(BaseModel):
         default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token)")
+    logit_bias: dict[str, float] | None = None  # refused when non-empty (server/unsupported.py)
 
     @field_validator("stop")
     @classmethod
@@ -98,6 +100,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    response_format: Any = None  # refused unless {"type": "text"} (server/unsupported.py)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unsupported(cls, data: Any, handler: Any) -> ChatCompletionRequest:
+        body = handler(data)
+        unsupported.check_chat(data if isinstance(data, dict) else {}, body)
+        return body
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
@@ -131,6 +144,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unsupported(cls, data: Any, handler: Any) -> CompletionRequest:
+        body = handler(data)
+        unsupported.check_common(data if isinstance(data, dict) else {}, body)
+        return body
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -184,7 +204,7 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     return {"content": [
         {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
          "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top]}
-        for lp in lps]}
+        for lp in lps], "refusal": None}
 
 
 def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:

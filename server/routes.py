@@ -60,6 +60,8 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
         engine = engines(request)[name]
         card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else "language_model"
         card["capabilities"] = sorted(engine.capabilities)
+        if isinstance(engine, ChoiceScorer):
+            card["scorer"] = engine.description
     return card
 
 

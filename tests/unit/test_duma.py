@@ -223,10 +223,12 @@ def test_served_scores_equal_the_modules_own_forward(served: tuple[LiveServer, S
     assert out["usage"]["prompt_tokens"] > 0
 
 
-def test_the_model_list_says_what_the_scorer_is(served: tuple[LiveServer, ScorerEngine]) -> None:
+def test_the_model_list_says_what_the_scorer_is(served: tuple[LiveServer, ScorerEngine], encoder: Path) -> None:
     srv, _ = served
     cards = {c["id"]: c for c in httpx.get(srv.url + "/v1/models").json()["data"]}
     assert cards["duma"]["kind"] == "scorer" and cards["duma"]["capabilities"] == ["choices"]
+    assert cards["duma"]["scorer"] == {"family": "duma", "head": "duma", "fuse": "cat", "encoder": str(encoder),
+                                       "max_length": 128}
     assert cards["fake"]["kind"] == "language_model" and "text" in cards["fake"]["capabilities"]
     assert cards["duma+fake"]["kind"] == "ensemble" and cards["duma+fake"]["ensemble"]["strategy"] == "choice_average"
 

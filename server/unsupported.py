@@ -1,0 +1,57 @@
+"""OpenAI request fields chorus does not serve yet, refused with a 400 that names the field.
+
+Silently ignoring them would answer a different question than the one asked: a `response_format` or a
+`tools` list that the model never sees returns free text with 200, an image part dropped from a message
+loses what the user sent. Fields that change nothing when ignored (``user``, ``metadata``, ``store``,
+``service_tier``, ``parallel_tool_calls`` without tools, ...) stay accepted, as on other
+OpenAI-compatible servers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chorus.errors import InvalidRequest
+
+#: vLLM's structured-output extensions (and its newer object): constraints, so never ignored
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def check_common(extra: dict[str, Any], body: Any) -> None:
+    """Fields of both chat and text completions (``extra``: the fields the request model does not declare)."""
+    for field in GUIDED:
+        if extra.get(field) is not None:
+            raise InvalidRequest(f"'{field}' (structured outputs) is not supported by this server yet: chorus does "
+                                 "not constrain decoding, and ignoring the constraint would return unconstrained "
+                                 "text.", param=field)
+    if body.logit_bias:
+        raise InvalidRequest("'logit_bias' is not supported by this server yet.", param="logit_bias")
+
+
+def check_chat(extra: dict[str, Any], body: Any) -> None:
+    check_common(extra, body)
+    rf = body.response_format
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type", "text") != "text"):
+        kind = rf.get("type") if isinstance(rf, dict) else rf
+        raise InvalidRequest(f"response_format {kind!r} (structured outputs) is not supported by this server yet; "
+                             "only {'type': 'text'}.", param="response_format")
+    if body.tools:
+        raise InvalidRequest("'tools' (function calling) is not supported by this server yet.", param="tools")
+    if body.tool_choice not in (None, "none"):
+        raise InvalidRequest("'tool_choice' needs 'tools', which this server does not support yet; only 'none'.",
+                             param="tool_choice")
+    for field in ("prediction", "audio", "functions", "function_call"):
+        if extra.get(field) is not None:
+            raise InvalidRequest(f"'{field}' is not supported by this server.", param=field)
+    modalities = extra.get("modalities")
+    if modalities is not None and list(modalities) != ["text"]:
+        raise InvalidRequest("The models of this server produce text only: 'modalities' may be [\"text\"].",
+                             param="modalities")
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise InvalidRequest(f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
+                                         "supported; the models of this server read text parts only "
+                                         "({'type': 'text', 'text': ...}).", param=f"messages[{i}].content[{j}]")

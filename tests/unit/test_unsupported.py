@@ -1,0 +1,64 @@
+"""What chorus does not serve yet is a 400 naming the field (server/unsupported.py), never silently ignored;
+harmless unknown fields stay accepted. Sent with the official openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import LiveServer
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("kwargs,param,words", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "structured outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format", "'json_schema'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools",
+     "function calling"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"logit_bias": {"42": 5}}, "logit_bias", "not supported"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json", "structured outputs"),
+    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice", "unconstrained"),
+    ({"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs", "structured outputs"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]},
+     "messages[0].content[1]", "'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio",
+                                                 "input_audio": {"data": "AA", "format": "wav"}}]}]},
+     "messages[0].content[0]", "text parts only"),
+])
+def test_unsupported_chat_fields_are_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any], param: str,
+                                                       words: str) -> None:
+    body = {"model": "fake", "messages": USER, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    err = info.value.body
+    assert isinstance(err, dict) and err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.parametrize("extra,param", [({"guided_regex": "[0-9]+"}, "guided_regex"),
+                                         ({"logit_bias": {"1": -100}}, "logit_bias")])
+def test_unsupported_completion_fields_are_a_400(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="fake", prompt="ab", max_tokens=2, extra_body=extra)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == param
+
+
+def test_what_changes_nothing_stays_accepted(client: openai.OpenAI, server: LiveServer) -> None:
+    out = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=2,
+        response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=False, modalities=["text"],
+        logit_bias={}, user="u", metadata={"k": "v"}, store=False, extra_body={"some_future_field": 1})
+    assert out.choices[0].message.content is not None
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "fake", "messages": USER, "max_tokens": 2,
+                                                               "logprobs": True, "top_logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert "refusal" in lp and lp["refusal"] is None and len(lp["content"]) == 2  # OpenAI's schema requires it
