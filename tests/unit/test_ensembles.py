@@ -277,7 +277,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("ensemble", "match"), [
-    ({"strategy": "nope", "members": ["a42", "b42"]}, "Valid strategies: cascade, crowd_vote, exchange_of_thought"),
+    ({"strategy": "nope", "members": ["a42", "b42"]}, "Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought"),
     ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*Available models"),
     ({"strategy": "crowd_vote", "members": ["a42"]}, "at least 2 members"),
     ({"strategy": "crowd_vote", "candidates": []}, "candidates must not be empty"),
