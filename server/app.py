@@ -54,9 +54,11 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         for ensemble in app.state.ensembles.values():
             await ensemble.strategy.warm()
         app.state.sessions.start()
+        unwatch = watch_engines(lambda: app.state.engines)
         try:
             yield
         finally:
+            unwatch()
             await app.state.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
@@ -80,5 +82,4 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.state.keys = keys
     app.state.door = Door()
     app.add_middleware(Gateway, keys=keys, limits=config.server.limits, door=app.state.door)  # outermost
-    watch_engines(lambda: app.state.engines)
     return app

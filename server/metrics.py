@@ -45,16 +45,24 @@ class EngineCollector(Collector):
 
 
 _collector: EngineCollector | None = None
+#: the running apps' engines, latest first to report (tests run several apps in one process)
+_watched: list[Callable[[], dict[str, Any]]] = []
 
 
-def watch_engines(engines: Callable[[], dict[str, Any]]) -> None:
-    """Point the engine collector at the current app's engines (one per process)."""
+def watch_engines(engines: Callable[[], dict[str, Any]]) -> Callable[[], None]:
+    """Report this app's engines (the most recently started app that is still running is the one reported:
+    the registry is per process); returns the function that stops reporting them (call it at shutdown)."""
     global _collector
     if _collector is None:
-        _collector = EngineCollector(engines)
+        _collector = EngineCollector(lambda: _watched[-1]() if _watched else {})
         REGISTRY.register(_collector)
-    else:
-        _collector.engines = engines
+    _watched.append(engines)
+
+    def unwatch() -> None:
+        if engines in _watched:
+            _watched.remove(engines)
+
+    return unwatch
 
 
 def count_tokens(model: str, prompt: int, completion: int) -> None:

@@ -56,3 +56,28 @@ def test_sigterm_drains_in_flight_streams(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_metrics_report_the_latest_running_app_and_fall_back_when_it_stops() -> None:
+    """The engine collector is per process: a second app (started after, stopped before) must not leave the first
+    app's /metrics reporting the stopped app's engines."""
+    import httpx
+
+    from chorus.config import ChorusConfig
+    from chorus.engines.fake import FakeEngine
+    from chorus.server.app import create_app
+    from tests.conftest import LiveServer
+
+    def app(name: str) -> LiveServer:
+        config = ChorusConfig.model_validate({"models": [{"name": name, "engine": "fake"}]})
+        return LiveServer(create_app(config, engines={name: FakeEngine(name)})).start()
+
+    first = app("first-app-model")
+    try:
+        second = app("second-app-model")
+        assert 'model="second-app-model"' in httpx.get(first.url + "/metrics").text
+        second.stop()
+        text = httpx.get(first.url + "/metrics").text
+        assert 'chorus_engine_active_sessions{model="first-app-model"}' in text and "second-app-model" not in text
+    finally:
+        first.stop()
