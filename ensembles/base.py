@@ -96,6 +96,12 @@ class Member:
         return [{"role": "system", "content": self.spec.system}, *rest]
 
 
+def with_own_sampling(members: Sequence[Member]) -> list[str]:
+    """The labels of members that set their own temperature, top_p or seed."""
+    return [m.label for m in members
+            if m.spec.temperature is not None or m.spec.top_p is not None or m.spec.seed is not None]
+
+
 def resolve_members(specs: Sequence[MemberSpec], engines: dict[str, Engine]) -> list[Member]:
     missing = sorted({s.model for s in specs if s.model not in engines})
     if missing:

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Strategy
+from chorus.ensembles.base import Call, Strategy, with_own_sampling
 from chorus.ensembles.spec import member_weights
 from chorus.errors import InvalidRequest
 
@@ -32,8 +32,7 @@ class ChoiceAverage(Strategy):
 
     def check(self) -> None:
         member_weights(self.params.weights, len(self.members))
-        own = [m.label for m in self.members
-               if m.spec.temperature is not None or m.spec.top_p is not None or m.spec.seed is not None]
+        own = with_own_sampling(self.members)
         if own:
             raise InvalidRequest("choice_average samples nothing: per-member temperature / top_p / seed do not apply "
                                  f"(members: {', '.join(own)}).", param="ensemble.members")

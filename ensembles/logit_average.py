@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, check_context
 from chorus.engines.scoring import mixture_logprob
-from chorus.ensembles.base import Call, Strategy, gather
+from chorus.ensembles.base import Call, Strategy, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import (
     SPECULATIVE_ACCEPTED,
@@ -248,8 +248,7 @@ class LogitAverageStrategy(Strategy):
     default_on_member_error = "fail"
 
     def check(self) -> None:
-        own = [m.label for m in self.members
-               if m.spec.temperature is not None or m.spec.top_p is not None or m.spec.seed is not None]
+        own = with_own_sampling(self.members)
         if own:
             raise InvalidRequest(
                 "logit_average samples once from the combined distribution; per-member temperature / top_p / "

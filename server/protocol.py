@@ -58,6 +58,17 @@ class _Sampling(BaseModel):
                         "(MoE expert load, MoDr branch and steps per token)")
     logit_bias: dict[str, float] | None = None  # refused when non-empty (server/unsupported.py)
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _unsupported(cls, data: Any, handler: Any) -> Any:
+        body = handler(data)
+        body.refuse_unsupported(data if isinstance(data, dict) else {})
+        return body
+
+    def refuse_unsupported(self, raw: dict[str, Any]) -> None:
+        """400 for the fields this server does not serve yet (``raw``: the body as sent, undeclared fields too)."""
+        unsupported.check_common(raw, self)
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -104,12 +115,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _unsupported(cls, data: Any, handler: Any) -> ChatCompletionRequest:
-        body = handler(data)
-        unsupported.check_chat(data if isinstance(data, dict) else {}, body)
-        return body
+    def refuse_unsupported(self, raw: dict[str, Any]) -> None:
+        unsupported.check_chat(raw, self)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -144,13 +151,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _unsupported(cls, data: Any, handler: Any) -> CompletionRequest:
-        body = handler(data)
-        unsupported.check_common(data if isinstance(data, dict) else {}, body)
-        return body
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
