@@ -9,6 +9,7 @@ forward, the logits after each: speculative verification, a lagging member's cat
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -23,8 +24,42 @@ STREAM = "stream"
 LOGITS = "logits"
 #: sessions whose logits hold only the top-k tokens (a remote server's top logprobs; -inf elsewhere)
 TOPK_LOGITS = "topk_logits"
+#: the output follows a response format (engines/constraint.py): every generating engine
+STRUCTURED = "structured_outputs"
 #: a multiple-choice scorer (engines/scorer.py): one logit per option, no text, no tokens
 CHOICES = "choices"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """An output format. ``spec``: the JSON schema as JSON text (``json``), the pattern (``regex``),
+    the choices as a JSON list (``choice``), the grammar text (``grammar``), empty for ``json_object``.
+    ``param`` names the request field it came from, for errors."""
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool, param: str = "response_format") -> Constraint:
+        return cls("json", json.dumps(schema), param)  # key order kept: properties come out in it
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema the output validates against (``json`` and ``json_object``), else None."""
+        if self.kind == "json":
+            return json.loads(self.spec)
+        return {"type": "object"} if self.kind == "json_object" else None
+
+    def wire(self) -> dict[str, Any]:
+        """vLLM's ``structured_outputs`` object (vLLM >= 0.12, and chorus's own worker)."""
+        if self.kind == "json":
+            return {"json": json.loads(self.spec)}
+        if self.kind == "json_object":
+            return {"json_object": True}
+        if self.kind == "choice":
+            return {"choice": json.loads(self.spec)}
+        return {self.kind: self.spec}
 
 
 @dataclass(frozen=True)
@@ -43,6 +78,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    #: structured outputs: the output follows this format (engines/constraint.py); None: free text
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -16,8 +16,10 @@ import torch
 from chorus.engines.base import (
     LOGITS,
     STREAM,
+    STRUCTURED,
     TEXT,
     Choice,
+    Constraint,
     Delta,
     Engine,
     Generation,
@@ -28,6 +30,7 @@ from chorus.engines.base import (
     TokenLogprob,
     TopLogprob,
 )
+from chorus.engines.constraint import Guide, ll_tokenizer
 from chorus.engines.detokenize import TextAssembler
 from chorus.engines.families.metric import Metric
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
@@ -81,7 +84,7 @@ class SessionEngine:
     name: str
     tokenizer: Tokenizer
     max_model_len: int
-    capabilities = frozenset({TEXT, STREAM, LOGITS})
+    capabilities = frozenset({TEXT, STREAM, LOGITS, STRUCTURED})
     sampling_defaults: dict[str, float] = {}  # noqa: RUF012 (each engine sets its own)
 
     def open_session(self) -> Session:  # pragma: no cover - abstract
@@ -236,6 +239,15 @@ def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int
     )
 
 
+async def open_guide(constraint: Constraint | None, tokenizer: Tokenizer) -> Guide | None:
+    """A row's grammar matcher (None without a constraint). The first one on a tokenizer builds llguidance's
+    view of the vocabulary (seconds on a 262k vocabulary): off the event loop."""
+    if constraint is None:
+        return None
+    await asyncio.to_thread(ll_tokenizer, tokenizer)
+    return Guide(constraint, tokenizer)
+
+
 async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokenizer, params: SamplingParams,
                       max_tokens: int, index: int, generator: torch.Generator,
                       extra_stop: tuple[str, ...] = ()) -> AsyncGenerator[Delta, None]:
@@ -245,16 +257,21 @@ async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokeniz
     """
     assembler = TextAssembler(tokenizer.decode, tuple(params.stop) + tuple(extra_stop))
     counts: dict[int, int] = {}
+    guide = await open_guide(params.constraint, tokenizer)
     for produced in range(1, max_tokens + 1):
+        if guide is not None:
+            logits = guide.mask(logits)  # logprobs below: of the distribution the token is drawn from
         token = sample(logits, params, generator, counts)
         counts[token] = counts.get(token, 0) + 1
         lps = [token_logprob(tokenizer, logits, token, params.top_logprobs)] if params.logprobs else []
-        if token in tokenizer.eos_token_ids and not params.ignore_eos:
+        if token in tokenizer.eos_token_ids and not (params.ignore_eos and guide is None):
             yield Delta(index, assembler.flush(), [token], lps, "stop")
             return
+        if guide is not None:
+            guide.accept(token)
         text = assembler.push(token)
-        if assembler.stopped:
-            yield Delta(index, text, [token], lps, "stop")
+        if assembler.stopped or (guide is not None and guide.stopped):  # complete: nothing may follow
+            yield Delta(index, text + assembler.flush(), [token], lps, "stop")
             return
         if produced == max_tokens:
             yield Delta(index, text + assembler.flush(), [token], lps, "length")

@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterable
 from typing import Any
 
-from chorus.engines.base import Choice, Delta, Generation, GenerationRequest
+from chorus.engines.base import Choice, Constraint, Delta, Generation, GenerationRequest
 from chorus.errors import EngineFailed, InvalidRequest
 
 
@@ -35,6 +35,8 @@ def request_body(req: GenerationRequest, stream: bool, *, model: str, upstream_m
     if p.ignore_eos:
         body["ignore_eos"] = True
     body.update(req.options)  # MoDr's recurrence / exit: a chorus worker serving a MoDr model checks them
+    if p.constraint is not None:
+        body.update(constraint_fields(p.constraint, api))
     if api == "chat":
         if req.messages is None:
             raise InvalidRequest(f"{model} is served over a chat-only API: use /v1/chat/completions.",
@@ -43,6 +45,17 @@ def request_body(req: GenerationRequest, stream: bool, *, model: str, upstream_m
     if stream:
         body["stream_options"] = {"include_usage": True}
     return "/completions", {**body, "prompt": req.prompt_ids}
+
+
+def constraint_fields(c: Constraint, api: str) -> dict[str, Any]:
+    """A structured-output constraint for the upstream server: on chat, JSON formats as OpenAI's own
+    ``response_format`` (the widest understood); everything else as vLLM's ``structured_outputs`` (vLLM >= 0.12,
+    chorus workers)."""
+    if api == "chat" and c.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if api == "chat" and c.kind == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": c.schema}}}
+    return {"structured_outputs": c.wire()}
 
 
 def generation_from(data: dict[str, Any], prompt_tokens: int) -> Generation:

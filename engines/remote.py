@@ -34,6 +34,7 @@ import torch
 from chorus.engines.base import (
     LOGITS,
     STREAM,
+    STRUCTURED,
     TEXT,
     TOPK_LOGITS,
     Delta,
@@ -162,7 +163,7 @@ class WorkerSession:
 
 
 class RemoteEngine:
-    capabilities = frozenset({TEXT, STREAM})
+    capabilities = frozenset({TEXT, STREAM, STRUCTURED})  # formats are sent on
 
     def __init__(self, spec: ModelSpec, tokenizer: Any) -> None:
         assert spec.remote is not None
@@ -177,9 +178,9 @@ class RemoteEngine:
         self._client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
         if self.remote.api == "completions":
-            self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS})
+            self.capabilities = frozenset({TEXT, STREAM, STRUCTURED, TOPK_LOGITS})
         if self.remote.token_api == "chorus":  # a chorus worker's session API: exact next-token logits
-            self.capabilities = frozenset({TEXT, STREAM, TOPK_LOGITS, LOGITS})
+            self.capabilities = frozenset({TEXT, STREAM, STRUCTURED, TOPK_LOGITS, LOGITS})
         self.sessions: set[WorkerSession] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._vocab: Vocab | None = None  # text -> token id, for remote top logprobs (built on first use)

@@ -4,6 +4,10 @@ Candidates come from the members (``samples_per_member`` each, at ``temperature`
 the request (``candidates: [...]``, to score external answers; then no member is called). Score
 ``q_i = sum_{j != i} s(i, j)``; the answer is argmax q, ties to the lowest index. ``metric`` picks one
 similarity; ``weights`` mixes several (chorus's addition; the published method uses one).
+
+Structured outputs: every member answer is constrained, and the vote is among the complete ones (those
+the grammar finished; an answer cut by ``max_tokens`` may not parse). External candidates cannot be
+checked against a format: the request is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from chorus.engines.base import Delta
 from chorus.ensembles.base import Budget, Call, Strategy, gather
 from chorus.ensembles.similarity import METRICS, crowd_scores, similarity
+from chorus.errors import InvalidRequest
 
 Metric = Literal["embedding_cosine", "word_rouge_l", "char_rouge_l"]
 
@@ -72,6 +77,9 @@ class CrowdVote(Strategy):
     def precheck(self, call: Call) -> None:
         if self.params.candidates is None:
             super().precheck(call)
+        elif call.sampling({}).constraint is not None:
+            raise InvalidRequest("crowd_vote with external 'candidates' scores them as given; it cannot apply "
+                                 "a response format to them.", param="response_format")
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p = self.params
@@ -82,6 +90,9 @@ class CrowdVote(Strategy):
             gens = await gather(*(call.generate(m, **over) for m in self.members))
             sources = [{"member": m.label, "text": c.text, "finish_reason": c.finish_reason}
                        for m, g in call.survivors(gens, self.members) for c in g.choices]
+            if call.sampling({}).constraint is not None:  # vote among the answers the grammar completed
+                complete = [s for s in sources if s["finish_reason"] == "stop"]
+                sources = complete or sources
         texts = [s["text"] for s in sources]
         mix = p.mix()
         winner, q, per_metric = await asyncio.to_thread(vote, texts, mix)

@@ -68,8 +68,8 @@ class MixtureOfAgents(Strategy):
         for layer in range(self.params.layers):
             gens = await gather(*(
                 call.generate(m, m.persona(messages) if layer == 0 else with_references(m.persona(messages), answers, prompt),
-                              persona=False, n=1, logprobs=False, top_logprobs=0)
-                for m in self.members))
+                              persona=False, n=1, logprobs=False, top_logprobs=0, constraint=None)
+                for m in self.members))  # proposals are free text; a response format applies to the aggregate
             alive = call.survivors(gens, self.members)
             answers = [g.choices[0].text for _, g in alive]
             layers.append([{"member": m.label, "text": g.choices[0].text} for m, g in alive])

@@ -8,6 +8,10 @@ Per member a softmax over the union, weighted average, then the client's samplin
 The chosen string is re-tokenised per member and fed to each member's own session (own KV cache,
 own chat template for the prompt). It is an approximation of the members' full distributions; the
 trace says so. Penalties (presence / frequency) do not apply to union entries.
+
+Structured outputs: the grammar runs on the first member's tokenizer; a union string is a candidate only
+if the grammar accepts its tokens there (EOS only where the output may end). When no string of the union
+is allowed, the first member's best allowed token is the step's only candidate.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from chorus.engines.base import (
     TokenLogprob,
     TopLogprob,
 )
+from chorus.engines.constraint import Guide
 from chorus.engines.detokenize import TextAssembler
-from chorus.engines.generation import check_context
+from chorus.engines.generation import check_context, open_guide
 from chorus.engines.sampling import logprob_info, make_generator, sample
 from chorus.engines.vocab import vocab_of
 from chorus.ensembles.stepping import normalised_weights, step_members
@@ -104,18 +109,24 @@ class TopkUnion:
             alive = [alive[k] for k in keep]
             pieces: list[str] = []
             assembler = TextAssembler(lambda ids: "".join(pieces[i] for i in ids), stops)
+            guide = await open_guide(params.constraint, self.members[0].tokenizer)
             for produced in range(1, max_tokens + 1):
                 strings, logp = self.union_step(alive, logits)
+                if guide is not None:
+                    strings, logp = self.allowed(guide, strings, logp, logits[0] if alive[0] == 0 else None)
                 j = sample(logp, params, generator, {})
                 lps = [self.logprob(strings, logp, j, params.top_logprobs)] if params.logprobs else []
-                if strings[j] == EOS and not params.ignore_eos:
+                if strings[j] == EOS and (guide is not None or not params.ignore_eos):
                     yield Delta(index, assembler.flush(), [j], lps, "stop")
                     return
+                if guide is not None:
+                    guide.accept_all(vocab_of(self.members[0].tokenizer).pieces(strings[j]))
                 pieces.append("" if strings[j] == EOS else strings[j])
                 text = assembler.push(len(pieces) - 1)
-                if assembler.stopped or produced == max_tokens:
-                    finish = "stop" if assembler.stopped else "length"
-                    yield Delta(index, text + ("" if assembler.stopped else assembler.flush()), [j], lps, finish)
+                done = assembler.stopped or (guide is not None and guide.stopped)
+                if done or produced == max_tokens:
+                    finish = "stop" if done else "length"
+                    yield Delta(index, text + assembler.flush(), [j], lps, finish)
                     return
                 yield Delta(index, text, [j], lps)
                 keep, logits = await step_members([self._feed(i, sessions[i], strings[j]) for i in alive],
@@ -124,6 +135,19 @@ class TopkUnion:
         finally:
             for s in sessions:
                 s.close()
+
+    def allowed(self, guide: Guide, strings: list[str], logp: torch.Tensor,
+                first: torch.Tensor | None) -> tuple[list[str], torch.Tensor]:
+        """The union with the strings the grammar forbids next at -inf (on the first member's tokenizer).
+        If it forbids them all: the first member's best allowed token alone (``first``: its logits, None
+        when it was dropped: any allowed token)."""
+        v = vocab_of(self.members[0].tokenizer)
+        ok = torch.tensor([guide.accepting if s == EOS else guide.allows(v.pieces(s)) for s in strings])
+        if bool(ok.any()):
+            return strings, logp.masked_fill(~ok, float("-inf"))
+        masked = guide.mask(first if first is not None else torch.zeros(len(v.strings)))
+        t = int(torch.argmax(masked))
+        return [EOS if t in v.eos else v.strings[t]], torch.zeros(1)
 
     async def _feed(self, i: int, session: Session, s: str) -> torch.Tensor:
         v = vocab_of(self.members[i].tokenizer)

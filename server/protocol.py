@@ -6,12 +6,21 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from chorus.engines.base import Choice, Delta, Engine, Generation, GenerationRequest, SamplingParams, TokenLogprob
+from chorus.engines.base import (
+    Choice,
+    Constraint,
+    Delta,
+    Engine,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
 from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
-from chorus.server import unsupported
+from chorus.server import structured, unsupported
 
 
 def new_id(prefix: str) -> str:
@@ -57,17 +66,28 @@ class _Sampling(BaseModel):
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token)")
     logit_bias: dict[str, float] | None = None  # refused when non-empty (server/unsupported.py)
+    #: structured outputs (server/structured.py): ``response_format`` / ``structured_outputs``, parsed
+    _constraint: Constraint | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
     @classmethod
     def _unsupported(cls, data: Any, handler: Any) -> Any:
         body = handler(data)
-        body.refuse_unsupported(data if isinstance(data, dict) else {})
+        raw = data if isinstance(data, dict) else {}
+        body.refuse_unsupported(raw)
+        body._constraint = body.read_constraint(raw)
         return body
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
         """400 for the fields this server does not serve yet (``raw``: the body as sent, undeclared fields too)."""
         unsupported.check_common(raw, self)
+
+    def read_constraint(self, raw: dict[str, Any]) -> Constraint | None:
+        return structured.for_completion(raw)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        return self._constraint
 
     @field_validator("stop")
     @classmethod
@@ -102,6 +122,7 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos,
+            constraint=self._constraint,
         )
 
 
@@ -111,12 +132,15 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    response_format: Any = None  # refused unless {"type": "text"} (server/unsupported.py)
+    response_format: Any = None  # text, json_object, json_schema (server/structured.py)
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
         unsupported.check_chat(raw, self)
+
+    def read_constraint(self, raw: dict[str, Any]) -> Constraint | None:
+        return structured.for_chat(raw, self.response_format)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

@@ -13,28 +13,15 @@ from typing import Any
 
 from chorus.errors import InvalidRequest
 
-#: vLLM's structured-output extensions (and its newer object): constraints, so never ignored
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-
 
 def check_common(extra: dict[str, Any], body: Any) -> None:
     """Fields of both chat and text completions (``extra``: the fields the request model does not declare)."""
-    for field in GUIDED:
-        if extra.get(field) is not None:
-            raise InvalidRequest(f"'{field}' (structured outputs) is not supported by this server yet: chorus does "
-                                 "not constrain decoding, and ignoring the constraint would return unconstrained "
-                                 "text.", param=field)
     if body.logit_bias:
         raise InvalidRequest("'logit_bias' is not supported by this server yet.", param="logit_bias")
 
 
 def check_chat(extra: dict[str, Any], body: Any) -> None:
     check_common(extra, body)
-    rf = body.response_format
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type", "text") != "text"):
-        kind = rf.get("type") if isinstance(rf, dict) else rf
-        raise InvalidRequest(f"response_format {kind!r} (structured outputs) is not supported by this server yet; "
-                             "only {'type': 'text'}.", param="response_format")
     if body.tools:
         raise InvalidRequest("'tools' (function calling) is not supported by this server yet.", param="tools")
     if body.tool_choice not in (None, "none"):

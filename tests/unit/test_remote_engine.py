@@ -3,6 +3,7 @@ character tokenizer on both sides), over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import GenerationRequest, SamplingParams
+from chorus.engines.base import Constraint, GenerationRequest, SamplingParams
 from chorus.engines.fake import CharTokenizer, FakeEngine
 from chorus.engines.remote import RemoteEngine
 from chorus.engines.replicas import ReplicaPool, Retryable, error_from
@@ -136,3 +137,24 @@ def test_a_gateway_scores_choices_on_a_remote_model(upstream: LiveServer) -> Non
         assert via["chosen"] == direct["chosen"]
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+@pytest.mark.parametrize("constraint,check", [
+    (Constraint("choice", '["yes", "no"]'), lambda t: t in ("yes", "no")),
+    (Constraint("regex", "[0-9]{4}"), lambda t: len(t) == 4 and t.isdigit()),
+    (Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                             "required": ["n"], "additionalProperties": False}),
+     lambda t: set(json.loads(t)) == {"n"}),
+])
+async def test_a_constraint_travels_to_the_upstream_server(upstream: LiveServer, api: str, constraint: Constraint,
+                                                           check: object) -> None:
+    """The upstream (a chorus server) constrains the decoding: the remote engine sent the format on."""
+    async for e in engine([upstream.url + "/v1"], api=api):
+        r = req(e, constraint=constraint)
+        if api == "chat":
+            r.messages = [{"role": "user", "content": "q"}]
+        g = await e.generate(r)
+        assert check(g.choices[0].text), g.choices[0].text  # type: ignore[operator]
+        streamed = "".join([d.text async for d in e.stream(r)])
+        assert check(streamed), streamed  # type: ignore[operator]
