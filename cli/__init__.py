@@ -54,6 +54,8 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                     "chorus.bench.route_calibrate:main", "chorus.bench.route_calibrate:add_arguments"),
     ("bench", "engine"): Command("decode throughput: chorus engine vs model.generate()",
                                  "chorus.bench.engine:main", "chorus.bench.engine:add_arguments"),
+    ("bench", "structured"): Command("constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
+                                     "chorus.bench.structured:main", "chorus.bench.structured:add_arguments"),
     ("bench", "choices"): Command("multiple-choice scoring: shared prefix vs a whole forward per choice",
                                   "chorus.bench.choices:main", "chorus.bench.choices:add_arguments"),
     ("bench", "modes"): Command("token ensembles by mode: full, selective, speculative vs the lead alone",

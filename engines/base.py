@@ -63,6 +63,25 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class Tools:
+    """Functions the model may call (OpenAI ``tools``; engines/tool_calls.py): ``spec`` holds the functions as
+    JSON text (``name``, ``description``, ``parameters``); ``choice`` is ``auto``, ``required`` or the name of
+    the one function to call; ``parallel``: more than one call per answer."""
+
+    spec: str
+    choice: str = "auto"
+    parallel: bool = True
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        return list(json.loads(self.spec))
+
+    def as_openai(self) -> list[dict[str, Any]]:
+        """The ``tools`` list as chat templates read it."""
+        return [{"type": "function", "function": f} for f in self.functions]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What the sampler does with next-token logits. ``temperature == 0`` (or below 1e-5) means greedy."""
 
@@ -80,6 +99,8 @@ class SamplingParams:
     ignore_eos: bool = False
     #: structured outputs: the output follows this format (engines/constraint.py); None: free text
     constraint: Constraint | None = None
+    #: functions the model may call; the chat prompt offers them and the answer is parsed for calls
+    tools: Tools | None = None
 
     @property
     def greedy(self) -> bool:
@@ -165,9 +186,14 @@ class Tokenizer(Protocol):
 
     def token_strings(self) -> list[str]: ...  # each id's text ("" for special tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str: ...
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``tools``: OpenAI tool objects, for tokenizers whose template takes them (``supports_tools``)."""
+        ...
+
+    @property
+    def supports_tools(self) -> bool: ...  # the chat template renders tools, tool calls and tool results
 
     @property
     def vocab_size(self) -> int: ...

@@ -61,12 +61,16 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.vocab[i] for i in ids if i != self.eos_id)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    supports_tools = False  # tools reach it as the fallback system message (engines/tool_calls.py)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        if tools:
+            raise ValueError("the character tokenizer's template has no tools")
         lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
 
 
 class FakeSession:

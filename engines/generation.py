@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from chorus.engines import tool_calls
 from chorus.engines.base import (
     LOGITS,
     STREAM,
@@ -65,7 +67,13 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
     tok = engine.tokenizer
     extra_stop: tuple[str, ...] = ()
     if messages is not None:
-        ids, extra_stop = tok.encode_chat(messages), tok.chat_stop
+        native = tok.supports_tools
+        if params.tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = tool_calls.prepare(messages, params.tools, native)
+        offered = params.tools.as_openai() if native and params.tools is not None else None
+        ids, extra_stop = tok.encode_chat(messages, offered), tok.chat_stop
+        if params.tools is not None:
+            params = replace(params, constraint=tool_calls.constraint(params.tools, native) or params.constraint)
     elif text is not None:
         ids = tok.encode(text)
     elif ids is None:

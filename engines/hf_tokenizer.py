@@ -32,6 +32,9 @@ class HFTokenizer:
     def __init__(self, tok: Any, extra_eos_ids: Sequence[int] = ()) -> None:
         self.hf = tok
         self.uses_fallback_template = not getattr(tok, "chat_template", None)
+        template = getattr(tok, "chat_template", None)
+        #: the model's own template renders tools, tool calls and tool results (Qwen2.5's does)
+        self.supports_tools = isinstance(template, str) and "tool_calls" in template and "tools" in template
         eos = {i for i in [tok.eos_token_id, *extra_eos_ids] if i is not None}
         self.eos_token_ids = frozenset(eos)
         self._fingerprint: str | None = None
@@ -86,7 +89,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        if self.supports_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+            # the template reads tool calls and tool results: every message field goes through
+            msgs = [{**m, "content": message_text(m.get("content"))} for m in messages]
+            return str(self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True))
+        if tools:
+            raise ValueError("this model's chat template has no tools: engines/tool_calls.py renders them")
         msgs = [{"role": m["role"], "content": message_text(m.get("content"))} for m in messages]
         if self._template is not None:
             return self._template(msgs)
@@ -97,11 +106,11 @@ class HFTokenizer:
         template = FALLBACK_CHAT_TEMPLATE if self.uses_fallback_template else None
         return self.hf.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Rendered chat to ids. A model's own template writes its special tokens itself; the fallback
         template is plain text, so the tokenizer adds its usual BOS. Fast tokenizers are called on their
         Rust backend directly (the same ids, without the Python ``encode`` wrapper: ~40% of the cost)."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools)
         backend = getattr(self.hf, "backend_tokenizer", None)
         if backend is not None:
             return backend.encode(text, add_special_tokens=self.uses_fallback_template).ids

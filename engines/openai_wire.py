@@ -38,6 +38,9 @@ def request_body(req: GenerationRequest, stream: bool, *, model: str, upstream_m
     if p.constraint is not None:
         body.update(constraint_fields(p.constraint, api))
     if api == "chat":
+        if p.tools is not None:
+            raise InvalidRequest(f"{model} is served over a chat-only API, which chorus does not relay function "
+                                 "calls through yet: use a completions upstream (api: completions).", param="tools")
         if req.messages is None:
             raise InvalidRequest(f"{model} is served over a chat-only API: use /v1/chat/completions.",
                                  param="prompt")

@@ -7,7 +7,8 @@ similarity; ``weights`` mixes several (chorus's addition; the published method u
 
 Structured outputs: every member answer is constrained, and the vote is among the complete ones (those
 the grammar finished; an answer cut by ``max_tokens`` may not parse). External candidates cannot be
-checked against a format: the request is refused.
+checked against a format: the request is refused. With functions offered, an answer that calls them is
+voted on as its calls (name and arguments, in one canonical JSON form), whatever format the member wrote.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from chorus.engines import tool_calls
 from chorus.engines.base import Delta
 from chorus.ensembles.base import Budget, Call, Strategy, gather
 from chorus.ensembles.similarity import METRICS, crowd_scores, similarity
@@ -93,6 +95,10 @@ class CrowdVote(Strategy):
             if call.sampling({}).constraint is not None:  # vote among the answers the grammar completed
                 complete = [s for s in sources if s["finish_reason"] == "stop"]
                 sources = complete or sources
+        offered = call.sampling({}).tools
+        if offered is not None:  # calls as structured objects: equal name and arguments, equal text
+            for s in sources:
+                s["text"] = tool_calls.canonical(s["text"], offered)
         texts = [s["text"] for s in sources]
         mix = p.mix()
         winner, q, per_metric = await asyncio.to_thread(vote, texts, mix)

@@ -43,10 +43,16 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None],
     for i in range(req.n):
         yield {**P.chat_chunk(head, None, index=i), **usage_null}
     completion = 0
+    held: dict[int, list[Delta]] = {}  # with tools: a choice's deltas until it is known whether it calls
     try:
         async for d in deltas:
             completion += len(d.token_ids)
-            if d.text or d.finish_reason or (req.logprobs and d.logprobs):
+            if req.tool_set is not None:
+                held.setdefault(d.index, []).append(d)
+                if d.finish_reason:
+                    for chunk in P.chat_tool_chunks(head, held.pop(d.index), req.tool_set, req.logprobs):
+                        yield {**chunk, **usage_null}
+            elif d.text or d.finish_reason or (req.logprobs and d.logprobs):
                 yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
     finally:
         await deltas.aclose()  # frees the sessions now, not at GC
@@ -77,12 +83,13 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[D
             await s.aclose()
 
     tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
-    usage_null = {"usage": None} if req.include_usage else {}
+    # OpenAI's schema for completion chunks (CreateCompletionResponse) has no null usage: the field is left out
+    # until the last chunk (chat chunks carry "usage": null, as their schema says)
     completion, done = 0, 0
     try:
         for p, echo in enumerate(echoes):
             for i in range(req.n if echo else 0):
-                yield {**head.base("text_completion"), **usage_null,
+                yield {**head.base("text_completion"),
                        "choices": [P.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)]}
         while done < len(tasks):
             p, item = await queue.get()
@@ -93,7 +100,7 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[D
                 raise item
             completion += len(item.token_ids)
             lps = P.completion_logprobs(item.logprobs) if req.logprobs is not None else None
-            yield {**head.base("text_completion"), **usage_null,
+            yield {**head.base("text_completion"),
                    "choices": [P.completion_choice(p * req.n + item.index, item.text, item.finish_reason, lps)]}
         last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
         if last:

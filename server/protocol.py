@@ -17,10 +17,12 @@ from chorus.engines.base import (
     GenerationRequest,
     SamplingParams,
     TokenLogprob,
+    Tools,
 )
 from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
 from chorus.server import structured, unsupported
+from chorus.server import tools as tool_fields
 
 
 def new_id(prefix: str) -> str:
@@ -68,6 +70,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None  # refused when non-empty (server/unsupported.py)
     #: structured outputs (server/structured.py): ``response_format`` / ``structured_outputs``, parsed
     _constraint: Constraint | None = PrivateAttr(default=None)
+    #: function calling (server/tools.py; chat only)
+    _tools: Tools | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -76,6 +80,7 @@ class _Sampling(BaseModel):
         raw = data if isinstance(data, dict) else {}
         body.refuse_unsupported(raw)
         body._constraint = body.read_constraint(raw)
+        body._tools = body.read_tools()
         return body
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
@@ -85,9 +90,16 @@ class _Sampling(BaseModel):
     def read_constraint(self, raw: dict[str, Any]) -> Constraint | None:
         return structured.for_completion(raw)
 
+    def read_tools(self) -> Tools | None:
+        return None
+
     @property
     def constraint(self) -> Constraint | None:
         return self._constraint
+
+    @property
+    def tool_set(self) -> Tools | None:
+        return self._tools
 
     @field_validator("stop")
     @classmethod
@@ -123,6 +135,7 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos,
             constraint=self._constraint,
+            tools=self._tools,
         )
 
 
@@ -133,14 +146,18 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     response_format: Any = None  # text, json_object, json_schema (server/structured.py)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # functions (server/tools.py)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
         unsupported.check_chat(raw, self)
 
     def read_constraint(self, raw: dict[str, Any]) -> Constraint | None:
         return structured.for_chat(raw, self.response_format)
+
+    def read_tools(self) -> Tools | None:
+        return tool_fields.tools_of(self.tools, self.tool_choice, self.parallel_tool_calls, self._constraint)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -274,10 +291,11 @@ class ResponseHead:
                 "system_fingerprint": self.fingerprint}
 
 
-def chat_response(head: ResponseHead, gen: Generation) -> dict[str, Any]:
+def chat_response(head: ResponseHead, gen: Generation, offered: Tools | None = None) -> dict[str, Any]:
+    """``offered``: the functions the model could call; a choice that calls them gets ``tool_calls``."""
     def choice(c: Choice) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+        message, finish = tool_fields.message(c.text, c.finish_reason, offered)
+        return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish}
 
     return {**head.base("chat.completion"), "choices": [choice(c) for c in gen.choices],
             "usage": usage(gen.prompt_tokens, gen.completion_tokens)}
@@ -294,6 +312,21 @@ def chat_chunk(head: ResponseHead, delta: Delta | None, *, index: int = 0,
               "logprobs": chat_logprobs(delta.logprobs) if logprobs else None,
               "finish_reason": delta.finish_reason}
     return {**head.base("chat.completion.chunk"), "choices": [ch]}
+
+
+def chat_tool_chunks(head: ResponseHead, deltas: list[Delta], offered: Tools, logprobs: bool) -> list[dict[str, Any]]:
+    """One choice's chunks when functions were offered: its whole text is parsed first, then sent as
+    ``tool_calls`` (each call whole in one delta, as OpenAI's last argument chunk completes it) or as content."""
+    index, finish = deltas[-1].index, deltas[-1].finish_reason or "stop"
+    text = "".join(d.text for d in deltas)
+    message, finish = tool_fields.message(text, finish, offered)
+    lps = chat_logprobs([lp for d in deltas for lp in d.logprobs]) if logprobs else None
+    delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    base = head.base("chat.completion.chunk")
+    return [{**base, "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": None}]},
+            {**base, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]}]
 
 
 def completion_response(head: ResponseHead, choices: list[dict[str, Any]], prompt_tokens: int,

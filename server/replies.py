@@ -63,7 +63,7 @@ async def chat_reply(request: Request, req: P.ChatCompletionRequest, head: P.Res
     model = request.state.model
     if not req.stream:
         gen = await until_disconnect(request, work.generate[0]())
-        body = {**P.chat_response(head, gen), **work.trailer()}
+        body = {**P.chat_response(head, gen, req.tool_set), **work.trailer()}
         settle(request, model, body["usage"])
         return json_response(body)
     (deltas,) = await open_streams(request, work)

@@ -1,9 +1,8 @@
 """OpenAI request fields chorus does not serve yet, refused with a 400 that names the field.
 
-Silently ignoring them would answer a different question than the one asked: a `response_format` or a
-`tools` list that the model never sees returns free text with 200, an image part dropped from a message
-loses what the user sent. Fields that change nothing when ignored (``user``, ``metadata``, ``store``,
-``service_tier``, ``parallel_tool_calls`` without tools, ...) stay accepted, as on other
+Silently ignoring them would answer a different question than the one asked: an image part dropped from
+a message loses what the user sent, a ``logit_bias`` never applied changes nothing the client can see. Fields that change nothing when ignored (``user``, ``metadata``, ``store``,
+``service_tier``, ...) stay accepted, as on other
 OpenAI-compatible servers.
 """
 
@@ -22,11 +21,6 @@ def check_common(extra: dict[str, Any], body: Any) -> None:
 
 def check_chat(extra: dict[str, Any], body: Any) -> None:
     check_common(extra, body)
-    if body.tools:
-        raise InvalidRequest("'tools' (function calling) is not supported by this server yet.", param="tools")
-    if body.tool_choice not in (None, "none"):
-        raise InvalidRequest("'tool_choice' needs 'tools', which this server does not support yet; only 'none'.",
-                             param="tool_choice")
     for field in ("prediction", "audio", "functions", "function_call"):
         if extra.get(field) is not None:
             raise InvalidRequest(f"'{field}' is not supported by this server.", param=field)

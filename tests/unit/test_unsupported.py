@@ -15,8 +15,6 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("kwargs,param,words", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools",
-     "function calling"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"logit_bias": {"42": 5}}, "logit_bias", "not supported"),
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),
