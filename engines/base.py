@@ -26,6 +26,8 @@ LOGITS = "logits"
 TOPK_LOGITS = "topk_logits"
 #: the output follows a response format (engines/constraint.py): every generating engine
 STRUCTURED = "structured_outputs"
+#: function calling (engines/tool_calls.py): tools in the prompt, calls parsed from the answer
+TOOLS = "tools"
 #: a multiple-choice scorer (engines/scorer.py): one logit per option, no text, no tokens
 CHOICES = "choices"
 
@@ -101,6 +103,8 @@ class SamplingParams:
     constraint: Constraint | None = None
     #: functions the model may call; the chat prompt offers them and the answer is parsed for calls
     tools: Tools | None = None
+    #: OpenAI ``logit_bias``: (token id, bias) pairs added to the logits before sampling
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -35,11 +35,35 @@ def grammar(c: Constraint) -> str:
         if c.kind in ("json", "json_object"):
             # compact separators, no free whitespace: small models given free whitespace may emit
             # newlines until max_tokens instead of closing the object
-            return llguidance.LLMatcher.grammar_from_json_schema(c.schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(bounded(c.schema), defaults=JSON_OPTIONS)
         fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[c.kind]
         return llguidance.grammar_from(fmt, c.spec)  # type: ignore[arg-type]
     except (ValueError, KeyError) as exc:
         raise InvalidRequest(f"{c.param}: invalid {c.kind}: {exc}", param=c.param) from None
+
+
+#: I-JSON's interoperable integers (RFC 7493 section 2.2): the range doubles hold exactly
+SAFE_INTEGER = 2**53 - 1
+
+
+def bounded(schema: Any) -> Any:
+    """The schema with every unbounded ``integer`` / ``number`` held to I-JSON's range: the answer still
+    validates against the client's schema, and a small model can no longer write digits until max_tokens
+    (SmolLM2 at temperature 0 wrote 240 zeros after ``{"population": 1``)."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
+           else v for k, v in schema.items()}
+    kinds = out.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "integer" in kinds or "number" in kinds:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 def check(c: Constraint) -> None:

@@ -20,6 +20,7 @@ from chorus.engines.base import (
     STREAM,
     STRUCTURED,
     TEXT,
+    TOOLS,
     Choice,
     Constraint,
     Delta,
@@ -82,6 +83,10 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
         raise InvalidRequest(f"{label} holds token ids outside the vocabulary (0..{tok.vocab_size - 1}).",
                              param="prompt")
     check_context(len(ids), params, engine.max_model_len)
+    outside = [t for t, _ in params.logit_bias if not 0 <= t < tok.vocab_size]
+    if outside:
+        raise InvalidRequest(f"logit_bias names token id(s) {', '.join(map(str, outside[:5]))} outside the "
+                             f"vocabulary of {engine.name} (0..{tok.vocab_size - 1}).", param="logit_bias")
     return GenerationRequest(list(ids), params, extra_stop=extra_stop, messages=messages, options=options or {},
                              trace=trace)
 
@@ -92,7 +97,7 @@ class SessionEngine:
     name: str
     tokenizer: Tokenizer
     max_model_len: int
-    capabilities = frozenset({TEXT, STREAM, LOGITS, STRUCTURED})
+    capabilities = frozenset({TEXT, STREAM, LOGITS, STRUCTURED, TOOLS})
     sampling_defaults: dict[str, float] = {}  # noqa: RUF012 (each engine sets its own)
 
     def open_session(self) -> Session:  # pragma: no cover - abstract
@@ -247,6 +252,16 @@ def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int
     )
 
 
+def biases(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor | None:
+    """``logit_bias`` as a vector over the logits (None without one); ids were checked by `encode_prompt`."""
+    if not params.logit_bias:
+        return None
+    bias = torch.zeros(logits.shape[-1])
+    for token, value in params.logit_bias:
+        bias[token] = value
+    return bias
+
+
 async def open_guide(constraint: Constraint | None, tokenizer: Tokenizer) -> Guide | None:
     """A row's grammar matcher (None without a constraint). The first one on a tokenizer builds llguidance's
     view of the vocabulary (seconds on a 262k vocabulary): off the event loop."""
@@ -266,7 +281,10 @@ async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokeniz
     assembler = TextAssembler(tokenizer.decode, tuple(params.stop) + tuple(extra_stop))
     counts: dict[int, int] = {}
     guide = await open_guide(params.constraint, tokenizer)
+    bias = biases(params, logits)
     for produced in range(1, max_tokens + 1):
+        if bias is not None:
+            logits = logits.float() + bias
         if guide is not None:
             logits = guide.mask(logits)  # logprobs below: of the distribution the token is drawn from
         token = sample(logits, params, generator, counts)

@@ -37,6 +37,8 @@ def request_body(req: GenerationRequest, stream: bool, *, model: str, upstream_m
     body.update(req.options)  # MoDr's recurrence / exit: a chorus worker serving a MoDr model checks them
     if p.constraint is not None:
         body.update(constraint_fields(p.constraint, api))
+    if p.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
     if api == "chat":
         if p.tools is not None:
             raise InvalidRequest(f"{model} is served over a chat-only API, which chorus does not relay function "

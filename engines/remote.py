@@ -36,6 +36,7 @@ from chorus.engines.base import (
     STREAM,
     STRUCTURED,
     TEXT,
+    TOOLS,
     TOPK_LOGITS,
     Delta,
     Generation,
@@ -177,10 +178,12 @@ class RemoteEngine:
         self.upstream_model = self.remote.model or spec.name
         self._client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
-        if self.remote.api == "completions":
-            self.capabilities = frozenset({TEXT, STREAM, STRUCTURED, TOPK_LOGITS})
+        caps = set(self.capabilities)
+        if self.remote.api == "completions":  # the gateway renders tools into the prompt and parses the answer
+            caps |= {TOPK_LOGITS, TOOLS}
         if self.remote.token_api == "chorus":  # a chorus worker's session API: exact next-token logits
-            self.capabilities = frozenset({TEXT, STREAM, STRUCTURED, TOPK_LOGITS, LOGITS})
+            caps |= {TOPK_LOGITS, LOGITS}
+        self.capabilities = frozenset(caps)
         self.sessions: set[WorkerSession] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._vocab: Vocab | None = None  # text -> token id, for remote top logprobs (built on first use)

@@ -430,6 +430,9 @@ class Ensemble:
         if logprobs and not (s.token_level or s.supports_logprobs):
             raise InvalidRequest(f"'logprobs' is not available with the strategy {self.spec.strategy!r}.",
                                  param="logprobs")
+        if sampling({}).logit_bias:
+            raise InvalidRequest("'logit_bias' names token ids of one vocabulary; an ensemble's members each have "
+                                 "their own: send it to a single model.", param="logit_bias")
         call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe())
         s.precheck(call)
         return call

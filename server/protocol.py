@@ -67,7 +67,7 @@ class _Sampling(BaseModel):
         default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token)")
-    logit_bias: dict[str, float] | None = None  # refused when non-empty (server/unsupported.py)
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], as OpenAI
     #: structured outputs (server/structured.py): ``response_format`` / ``structured_outputs``, parsed
     _constraint: Constraint | None = PrivateAttr(default=None)
     #: function calling (server/tools.py; chat only)
@@ -84,8 +84,8 @@ class _Sampling(BaseModel):
         return body
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
-        """400 for the fields this server does not serve yet (``raw``: the body as sent, undeclared fields too)."""
-        unsupported.check_common(raw, self)
+        """400 for the fields this server does not serve (``raw``: the body as sent, undeclared fields too)."""
+        return None
 
     def read_constraint(self, raw: dict[str, Any]) -> Constraint | None:
         return structured.for_completion(raw)
@@ -100,6 +100,20 @@ class _Sampling(BaseModel):
     @property
     def tool_set(self) -> Tools | None:
         return self._tools
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys are token ids (integers as strings); got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases are between -100 and 100; got {value} for token {key}")
+        return v
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @field_validator("stop")
     @classmethod
@@ -136,6 +150,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             constraint=self._constraint,
             tools=self._tools,
+            logit_bias=self.bias_pairs,
         )
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import ChoiceScorer, Engine, GenerationRequest
+from chorus.engines.base import TOOLS, ChoiceScorer, Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
 from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls
@@ -60,6 +60,8 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
         engine = engines(request)[name]
         card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else "language_model"
         card["capabilities"] = sorted(engine.capabilities)
+        if TOOLS in engine.capabilities:  # how functions reach it: its own template, or chorus's JSON fallback
+            card["tool_format"] = "native" if engine.tokenizer.supports_tools else "json"
         if isinstance(engine, ChoiceScorer):
             card["scorer"] = engine.description
     return card

@@ -1,9 +1,9 @@
-"""OpenAI request fields chorus does not serve yet, refused with a 400 that names the field.
+"""OpenAI chat fields chorus does not serve, refused with a 400 that names the field.
 
 Silently ignoring them would answer a different question than the one asked: an image part dropped from
-a message loses what the user sent, a ``logit_bias`` never applied changes nothing the client can see. Fields that change nothing when ignored (``user``, ``metadata``, ``store``,
-``service_tier``, ...) stay accepted, as on other
-OpenAI-compatible servers.
+a message loses what the user sent, audio asked for never comes. Fields that change nothing when ignored
+(``user``, ``metadata``, ``store``, ``service_tier``, ...) stay accepted, as on other OpenAI-compatible
+servers. (Structured outputs, tools and ``logit_bias`` are served: server/structured.py, server/tools.py.)
 """
 
 from __future__ import annotations
@@ -13,14 +13,8 @@ from typing import Any
 from chorus.errors import InvalidRequest
 
 
-def check_common(extra: dict[str, Any], body: Any) -> None:
-    """Fields of both chat and text completions (``extra``: the fields the request model does not declare)."""
-    if body.logit_bias:
-        raise InvalidRequest("'logit_bias' is not supported by this server yet.", param="logit_bias")
-
-
 def check_chat(extra: dict[str, Any], body: Any) -> None:
-    check_common(extra, body)
+    """``extra``: the body as sent (the fields the request model does not declare too)."""
     for field in ("prediction", "audio", "functions", "function_call"):
         if extra.get(field) is not None:
             raise InvalidRequest(f"'{field}' is not supported by this server.", param=field)

@@ -5,9 +5,11 @@ probability average is the average of their distributions over the choices."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from chorus.config import ChorusConfig, load_config
@@ -50,3 +52,31 @@ def test_the_qwen_pair_mixes_per_token_and_per_choice(qwen_server: LiveServer) -
     for i, c in enumerate(probs["choices"]):
         want = 0.25 * alone[0]["choices"][i]["probabilities"]["char"] + 0.75 * alone[1]["choices"][i]["probabilities"]["char"]
         assert c["probabilities"]["char"] == pytest.approx(want, abs=1e-6)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def test_qwen_calls_tools_through_its_own_template(qwen_server: LiveServer) -> None:
+    """Qwen2.5's template takes tools (tool_format native): with ``auto`` the model writes its own
+    ``<tool_call>`` block unforced; the tool result goes back through the template and it answers in text."""
+    card = httpx.get(qwen_server.url + f"/v1/models/{Q05}").json()
+    assert card["tool_format"] == "native"
+    client = openai.OpenAI(base_url=qwen_server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    ask = [{"role": "user", "content": "What is the weather in Oslo right now?"}]
+    out = client.chat.completions.create(model=Q05, messages=ask, tools=[WEATHER], temperature=0, max_tokens=64)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    call = c.message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}  # type: ignore[union-attr]
+    history = [*ask, c.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": -3, "sky": "snow"}'}]
+    reply = client.chat.completions.create(model=Q05, messages=history, tools=[WEATHER], temperature=0,
+                                           max_tokens=64)
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content
+    forced = client.chat.completions.create(model=Q05, messages=[{"role": "user", "content": "Hi!"}], tools=[WEATHER],
+                                            tool_choice="required", temperature=0, max_tokens=64)
+    assert forced.choices[0].finish_reason == "tool_calls"

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -24,8 +24,10 @@ from chorus.engines.transformers_engine import TransformersEngine
 from tests.integration.conftest import GEMMA, SMOL
 
 PROMPT = [{"role": "user", "content": "Invent a small record about a city and answer in JSON."}]
+# unbounded numbers (chorus holds them to I-JSON's range); strings bounded: an unbounded one can loop until
+# max_tokens on a 135M model at temperature 0.7 (README "Structured outputs": measured)
 LEAF = st.sampled_from([
-    {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"},
+    {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string", "maxLength": 40},
     {"type": "string", "enum": ["north", "south"]}, {"type": "integer", "minimum": 1, "maximum": 9},
 ])
 NAMES = st.sampled_from(["name", "city", "population", "river", "founded", "capital", "tags", "mayor"])
@@ -37,11 +39,11 @@ SCHEMAS = st.recursive(
                                  "additionalProperties": False}, st.dictionaries(NAMES, kids, min_size=1, max_size=3)),
         st.builds(lambda s: {"type": "array", "items": s, "maxItems": 3}, kids)),
     max_leaves=5)
-seen: dict[str, list[bool]] = {}
 
 
 @pytest.mark.parametrize("model", [SMOL, GEMMA])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.generate],  # no shrinking on a real model
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS, temperature=st.sampled_from([0.0, 0.7]))
 def test_drawn_schemas_always_validate_on_real_models(sdk: openai.OpenAI, model: str, schema: dict[str, Any],
                                                       temperature: float) -> None:
@@ -72,10 +74,13 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"], "additionalProperties": False}}}
 
 
-@pytest.mark.parametrize("model", [SMOL, GEMMA])
-def test_a_forced_call_is_valid_on_models_without_tool_templates(sdk: openai.OpenAI, model: str) -> None:
+# Gemma (a base model) allowed parallel calls repeats the same call until max_tokens at temperature 0: one call
+@pytest.mark.parametrize("model,parallel", [(SMOL, True), (GEMMA, False)])
+def test_a_forced_call_is_valid_on_models_without_tool_templates(sdk: openai.OpenAI, model: str,
+                                                                 parallel: bool) -> None:
     out = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                      tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=128)
+                                      tools=[WEATHER], tool_choice="required", parallel_tool_calls=parallel,
+                                      temperature=0, max_tokens=128)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls
     call = c.message.tool_calls[0]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from chorus.config import ChorusConfig
+from chorus.engines.constraint import bounded
 from chorus.engines.fake import FakeEngine
 from chorus.server.app import create_app
 from tests.conftest import LiveServer
@@ -202,3 +203,13 @@ def test_response_format_on_completions_says_what_to_send(client: openai.OpenAI)
         client.completions.create(model="json", prompt="x", extra_body={"response_format": {"type": "json_object"}})
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "response_format"
     assert "structured_outputs" in info.value.body["message"]
+
+
+def test_unbounded_numbers_are_held_to_the_i_json_range() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["number", "null"],
+              "maximum": 5}, "c": {"enum": [1]}, "d": {"type": "array", "items": {"type": "number"}}}}
+    out = bounded(schema)
+    assert out["properties"]["a"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+    assert out["properties"]["b"]["maximum"] == 5 and out["properties"]["b"]["minimum"] == -(2**53 - 1)
+    assert out["properties"]["c"] == {"enum": [1]} and out["properties"]["d"]["items"]["maximum"] == 2**53 - 1
+    assert schema["properties"]["a"] == {"type": "integer"}  # the client's schema is left as sent

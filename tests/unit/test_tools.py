@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -182,3 +183,9 @@ def test_tool_choice_none_offers_nothing(client: openai.OpenAI) -> None:
     with_format = client.chat.completions.create(model="caller", messages=USER, tools=TOOLS, tool_choice="none",
                                                  response_format={"type": "json_object"}, temperature=0, max_tokens=5)
     assert with_format.choices[0].finish_reason == "length"  # the format applies; no calls are read
+
+
+def test_model_cards_say_how_functions_reach_a_model(server: LiveServer) -> None:
+    cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+    assert "tools" in cards["caller"]["capabilities"] and cards["caller"]["tool_format"] == "json"
+    assert "structured_outputs" in cards["caller"]["capabilities"]

@@ -16,7 +16,6 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.mark.parametrize("kwargs,param,words", [
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ({"logit_bias": {"42": 5}}, "logit_bias", "not supported"),
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
@@ -34,13 +33,6 @@ def test_unsupported_chat_fields_are_a_400_naming_them(client: openai.OpenAI, kw
         client.chat.completions.create(**body)
     err = info.value.body
     assert isinstance(err, dict) and err["param"] == param and words in err["message"], err
-
-
-@pytest.mark.parametrize("extra,param", [({"logit_bias": {"1": -100}}, "logit_bias")])
-def test_unsupported_completion_fields_are_a_400(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="fake", prompt="ab", max_tokens=2, extra_body=extra)
-    assert isinstance(info.value.body, dict) and info.value.body["param"] == param
 
 
 def test_what_changes_nothing_stays_accepted(client: openai.OpenAI, server: LiveServer) -> None:
