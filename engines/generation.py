@@ -74,7 +74,8 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
         offered = params.tools.as_openai() if native and params.tools is not None else None
         ids, extra_stop = tok.encode_chat(messages, offered), tok.chat_stop
         if params.tools is not None:
-            params = replace(params, constraint=tool_calls.constraint(params.tools, native) or params.constraint)
+            tags = tool_calls.tag_terms(tok) if native else tool_calls.TEXT_TAGS
+            params = replace(params, constraint=tool_calls.constraint(params.tools, native, tags) or params.constraint)
     elif text is not None:
         ids = tok.encode(text)
     elif ids is None:

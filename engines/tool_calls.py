@@ -14,7 +14,8 @@ Two call formats:
 ``tool_choice`` ``required`` or a named function turns into a grammar (an llguidance Lark grammar for the
 native blocks, a JSON schema for the fallback), so the model must call, with arguments valid for the
 function's schema, on any model. ``auto`` leaves the model free: the answer is a call if it parses as one
-(known name, arguments valid against the schema), else text.
+(known name, arguments valid against the schema; a call object or list alone in a markdown code block, as
+small models often write it, counts too), else text.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from typing import Any
 import jsonschema
 
 from chorus.engines.base import Constraint, Tools
+from chorus.engines.constraint import JSON_OPTIONS
 
 NATIVE_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+FENCE = re.compile(r"^```[a-zA-Z]*\s*\n(.*?)\n?```$", re.S)
 FALLBACK_SYSTEM = (
     "You can call these functions:\n{functions}\n\n"
     "To call functions, answer with only a JSON list of calls and nothing else, e.g. "
@@ -126,8 +129,22 @@ def _call_schema(tools: Tools) -> dict[str, Any]:
                        "required": ["name", "arguments"], "additionalProperties": False} for f in fns]}
 
 
-def constraint(tools: Tools, native: bool) -> Constraint | None:
-    """The grammar that forces a call (``required`` or a named function); None for ``auto``."""
+#: the native block's tags as quoted Lark text
+TEXT_TAGS = ('"<tool_call>"', '"</tool_call>"')
+
+
+def tag_terms(tok: Any) -> tuple[str, str]:
+    """The Lark terms for ``<tool_call>`` / ``</tool_call>`` on this tokenizer: a reference to the token itself
+    where the vocabulary has it as one added token (Qwen2.5: llguidance treats added tokens as special, so the
+    quoted text would not match them), else the quoted text."""
+    def term(tag: str) -> str:
+        return tag if len(tok.encode_text(tag)) == 1 else json.dumps(tag)
+    return term("<tool_call>"), term("</tool_call>")
+
+
+def constraint(tools: Tools, native: bool, tags: tuple[str, str] = TEXT_TAGS) -> Constraint | None:
+    """The grammar that forces a call (``required`` or a named function); None for ``auto``. ``tags``: the
+    native block's Lark terms (`tag_terms`)."""
     if tools.choice == "auto":
         return None
     one = _call_schema(tools)
@@ -136,7 +153,8 @@ def constraint(tools: Tools, native: bool) -> Constraint | None:
         if not tools.parallel:
             calls["maxItems"] = 1
         return Constraint.json_schema(calls, param="tool_choice")
-    block = f'"<tool_call>\\n" %json {json.dumps(one)} "\\n</tool_call>"'
+    compact = {**one, "x-guidance": JSON_OPTIONS}  # as response formats: no free whitespace inside the call
+    block = f'{tags[0]} "\\n" %json {json.dumps(compact)} "\\n" {tags[1]}'
     more = "" if not tools.parallel else ' ("\\n" call)*'
     return Constraint("grammar", f"start: call{more}\ncall: {block}", param="tool_choice")
 
@@ -151,7 +169,7 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
             content = NATIVE_CALL.sub("", text).strip()
             return content or None, [c for c in calls if c is not None]
         return text, []
-    stripped = text.strip()
+    stripped = FENCE.sub(r"\1", text.strip())  # small models often wrap the JSON in a markdown code block
     if stripped.startswith(("[", "{")):
         try:
             data = json.loads(stripped)

@@ -77,6 +77,8 @@ def test_qwen_calls_tools_through_its_own_template(qwen_server: LiveServer) -> N
     reply = client.chat.completions.create(model=Q05, messages=history, tools=[WEATHER], temperature=0,
                                            max_tokens=64)
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content
-    forced = client.chat.completions.create(model=Q05, messages=[{"role": "user", "content": "Hi!"}], tools=[WEATHER],
-                                            tool_choice="required", temperature=0, max_tokens=64)
-    assert forced.choices[0].finish_reason == "tool_calls"
+    forced = client.chat.completions.create(model=Q05, messages=[{"role": "user", "content": "And in Rome?"}],
+                                            tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                            temperature=0, max_tokens=128)
+    assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0].message
+    assert all(c.function.name == "get_weather" for c in forced.choices[0].message.tool_calls or [])  # type: ignore[union-attr]

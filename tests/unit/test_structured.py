@@ -28,14 +28,18 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    engines = {"json": FakeEngine("json", script='{"name": "Ada", "age": 36}', max_model_len=512),
-               "abc": FakeEngine("abc", max_model_len=512)}
+    engines = {"json": FakeEngine("json", script='{"name": "Ada", "age": 36}', max_model_len=4096),
+               "abc": FakeEngine("abc", max_model_len=4096)}
     cfg = ChorusConfig.model_validate({
         "models": [{"name": n, "engine": "fake"} for n in engines],
         "ensembles": [{"name": "avg", "strategy": "logit_average", "members": [{"model": "json"}, {"model": "abc"}]},
                       {"name": "union", "strategy": "logit_average", "align": "topk_union", "top_k": 3,
                        "members": [{"model": "json"}, {"model": "abc"}]},
-                      {"name": "vote", "strategy": "crowd_vote", "members": [{"model": "json"}, {"model": "abc"}]}],
+                      {"name": "vote", "strategy": "crowd_vote", "members": [{"model": "json"}, {"model": "abc"}]},
+                      {"name": "eot", "strategy": "exchange_of_thought", "members": ["json", "json"]},
+                      {"name": "moa", "strategy": "mixture_of_agents", "members": ["abc", "json"], "aggregator": "json"},
+                      {"name": "route", "strategy": "route", "router": "random", "members": ["json", "abc"]},
+                      {"name": "cascade", "strategy": "cascade", "members": ["json", "abc"], "threshold": -1.0}],
     })
     srv = LiveServer(create_app(cfg, engines=engines)).start()
     yield srv
@@ -51,7 +55,7 @@ def schema_format(schema: dict[str, Any], name: str = "person") -> dict[str, Any
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-@pytest.mark.parametrize("model", ["json", "abc", "avg", "union", "vote"])
+@pytest.mark.parametrize("model", ["json", "abc", "avg", "union", "vote", "eot", "moa", "route", "cascade"])
 def test_a_json_schema_answer_validates(client: openai.OpenAI, model: str) -> None:
     out = client.chat.completions.create(model=model, messages=USER, max_tokens=200, temperature=0,
                                          response_format=schema_format(PERSON))

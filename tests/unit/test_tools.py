@@ -152,6 +152,8 @@ def test_parse_reads_both_formats_and_rejects_what_does_not_fit() -> None:
     native = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
     content, calls = tool_calls.parse(native, tools)
     assert content == "Let me check." and [(c.name, c.arguments) for c in calls] == [("get_time", {"zone": "utc"})]
+    fenced = '```json\n{\n  "name": "get_time",\n  "arguments": {"zone": "cet"}\n}\n```'
+    assert [(c.name, c.arguments) for c in tool_calls.parse(fenced, tools)[1]] == [("get_time", {"zone": "cet"})]
     for text in ['[{"name": "nope", "arguments": {}}]', '[{"name": "get_time", "arguments": {"zone": "mars"}}]',
                  '{"answer": 42}', "[]", "plain text"]:
         assert tool_calls.parse(text, tools) == (text, []), text
