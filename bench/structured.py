@@ -111,7 +111,7 @@ CORPUS: list[dict[str, Any]] = [
     {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
                                       "final": {"type": "number"}}, "required": ["steps", "final"]},
 ]
-CORPUS_PROMPT = "Answer in JSON following the requested format. Make up plausible values."
+CORPUS_PROMPT = "Make up a plausible example and answer with JSON only, matching this JSON schema:\n{schema}"
 
 
 def _corpus(spec: Any, max_tokens: int) -> list[str]:
@@ -130,7 +130,8 @@ def _corpus(spec: Any, max_tokens: int) -> list[str]:
             for i, schema in enumerate(CORPUS):
                 params = SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                                         constraint=Constraint.json_schema(schema))
-                req = encode_prompt(engine, params, messages=[{"role": "user", "content": CORPUS_PROMPT}])
+                ask = CORPUS_PROMPT.format(schema=json.dumps(schema))  # the schema in the prompt, as users write it
+                req = encode_prompt(engine, params, messages=[{"role": "user", "content": ask}])
                 c = (await engine.generate(req)).choices[0]
                 tokens += len(c.token_ids)
                 if c.finish_reason == "length":
@@ -157,12 +158,13 @@ def _throughput(spec: Any, tokens: int, concurrency: int, rounds: int) -> list[s
     async def main() -> list[str]:
         engine = TransformersEngine.load(spec)
         await engine.start()
-        msgs = [{"role": "user", "content": PROMPT}]
         free = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         constrained = SamplingParams(temperature=0, max_tokens=tokens, constraint=Constraint.json_schema(SCHEMA))
 
         async def run(params: SamplingParams, k: int) -> tuple[float, int]:
-            req = encode_prompt(engine, params, messages=msgs)
+            # a raw prompt: no chat template, so no template stop string ends the free run early (Gemma's
+            # fallback template stops at "\nUser:")
+            req = encode_prompt(engine, params, text=PROMPT + "\n")
             t0 = time.perf_counter()
             gens = await asyncio.gather(*(engine.generate(req) for _ in range(k)))
             n = sum(g.completion_tokens for g in gens)
@@ -194,11 +196,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256, help="per answer of the schema corpus")
+    p.add_argument("--parts", default="masks,corpus,throughput", help="which tables, comma-separated")
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from chorus.config import load_config
     from chorus.engines.prepare import prepare_model
@@ -209,20 +211,38 @@ def main(args: argparse.Namespace) -> int:
     paths = [prepare_model(s, log=lambda m: None) for s in specs]
     print(f"chorus bench structured: {', '.join(s.name for s in specs)}; {args.threads} threads; schema with "
           f"strings, an integer and a list; {args.tokens} tokens per stream, best of {args.rounds} rounds", flush=True)
+    parts = set(args.parts.split(","))
+    if "masks" in parts:
+        _print_masks(specs, paths)
+    if "corpus" in parts:
+        _print_corpus(specs, args.max_tokens)
+    if "throughput" in parts:
+        _print_throughput(specs, args)
+    return 0
+
+
+def _print_masks(specs: list[Any], paths: list[Any]) -> None:
+    from transformers import AutoTokenizer
+
     print("\n| model | vocabulary | library | set-up (s) | mask per token, median (ms) | first mask (ms) |")
     print("|---|---:|---|---:|---:|---:|")
     for spec, path in zip(specs, paths):
         for row in _mask_costs(AutoTokenizer.from_pretrained(str(path)), spec.name):
             print(row, flush=True)
-    print(f"\n| model | temperature | schemas | complete and valid | cut by max_tokens ({args.max_tokens}) | "
+
+
+def _print_corpus(specs: list[Any], max_tokens: int) -> None:
+    print(f"\n| model | temperature | schemas | complete and valid | cut by max_tokens ({max_tokens}) | "
           "invalid | tokens per answer |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for spec in specs:
-        for row in _corpus(spec, args.max_tokens):
+        for row in _corpus(spec, max_tokens):
             print(row, flush=True)
+
+
+def _print_throughput(specs: list[Any], args: argparse.Namespace) -> None:
     print("\n| model | streams | free tokens/s | constrained tokens/s | ratio | overhead | tokens (free / constrained) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for spec in specs:
         for row in _throughput(spec, args.tokens, args.concurrency, args.rounds):
             print(row, flush=True)
-    return 0

@@ -82,7 +82,7 @@ _lock = threading.Lock()
 
 
 def ll_tokenizer(tok: Tokenizer) -> LLTokenizer:
-    """llguidance's view of a tokenizer, built once per tokenizer (0.5-5 s: every token's bytes)."""
+    """llguidance's view of a tokenizer, built once per tokenizer (0.7-7 s: every token's bytes)."""
     with _lock:
         cached = _tokenizers.get(tok)
         if cached is None:

@@ -30,6 +30,7 @@ import jsonschema
 
 from chorus.engines.base import Constraint, Tools
 from chorus.engines.constraint import JSON_OPTIONS
+from chorus.engines.hf_tokenizer import message_text
 
 NATIVE_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 FENCE = re.compile(r"^```[a-zA-Z]*\s*\n(.*?)\n?```$", re.S)
@@ -112,14 +113,8 @@ def _fallback_message(m: dict[str, Any]) -> dict[str, Any]:
         return {"role": "assistant", "content": text}
     if role == "tool":
         return {"role": "user", "content": f"Result of the function call {m.get('tool_call_id', '')}: "
-                                           f"{_text(m.get('content'))}"}
+                                           f"{message_text(m.get('content'))}"}
     return m
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
 
 
 def _call_schema(tools: Tools) -> dict[str, Any]:
