@@ -85,6 +85,9 @@ class CrowdVote(Strategy):
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p = self.params
+        asked = call.sampling({})
+        offered = asked.tools
+        formatted = asked.constraint is not None or (offered is not None and offered.choice != "auto")
         if p.candidates is not None:
             sources = [{"member": None, "text": t, "finish_reason": "stop"} for t in p.candidates]
         else:
@@ -92,10 +95,9 @@ class CrowdVote(Strategy):
             gens = await gather(*(call.generate(m, **over) for m in self.members))
             sources = [{"member": m.label, "text": c.text, "finish_reason": c.finish_reason}
                        for m, g in call.survivors(gens, self.members) for c in g.choices]
-            if call.sampling({}).constraint is not None:  # vote among the answers the grammar completed
+            if formatted:  # vote among the answers the grammar completed (a format, or a forced call)
                 complete = [s for s in sources if s["finish_reason"] == "stop"]
                 sources = complete or sources
-        offered = call.sampling({}).tools
         if offered is not None:  # calls as structured objects: equal name and arguments, equal text
             for s in sources:
                 s["text"] = tool_calls.canonical(s["text"], offered)
