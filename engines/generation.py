@@ -37,6 +37,7 @@ from chorus.engines.constraint import Guide, ll_tokenizer
 from chorus.engines.detokenize import TextAssembler
 from chorus.engines.families.metric import Metric
 from chorus.engines.families.observer import DenseObserver, FamilyObserver
+from chorus.engines.hf_tokenizer import has_tool_turns
 from chorus.engines.sampling import logprob_info, make_generator, sample
 from chorus.engines.scoring import by_prompt_logprobs
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
@@ -69,7 +70,7 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
     extra_stop: tuple[str, ...] = ()
     if messages is not None:
         native = tok.supports_tools
-        if params.tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        if params.tools is not None or has_tool_turns(messages):
             messages = tool_calls.prepare(messages, params.tools, native)
         offered = params.tools.as_openai() if native and params.tools is not None else None
         ids, extra_stop = tok.encode_chat(messages, offered), tok.chat_stop

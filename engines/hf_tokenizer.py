@@ -28,6 +28,11 @@ def message_text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
 
 
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds function-calling turns (assistant ``tool_calls``, ``role: tool``)."""
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
 class HFTokenizer:
     def __init__(self, tok: Any, extra_eos_ids: Sequence[int] = ()) -> None:
         self.hf = tok
@@ -90,7 +95,7 @@ class HFTokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        if self.supports_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+        if self.supports_tools and (tools or has_tool_turns(messages)):
             # the template reads tool calls and tool results: every message field goes through
             msgs = [{**m, "content": message_text(m.get("content"))} for m in messages]
             return str(self.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True))
