@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import openai
 import pytest
@@ -19,6 +21,18 @@ def fake_config(max_body_bytes: int = 64 * 1024) -> ChorusConfig:
         "models": [{"name": "fake", "engine": "fake"}, {"name": "scripted", "engine": "fake"},
                    {"name": "slow", "engine": "fake"}, {"name": "broken", "engine": "fake"}],
     })
+
+
+@contextmanager
+def serve_fakes(engines: dict[str, FakeEngine], ensembles: list[dict[str, Any]] | None = None) -> Iterator[LiveServer]:
+    """A live gateway over these fake engines (each a config model of the same name) and named ensembles."""
+    cfg = ChorusConfig.model_validate({"models": [{"name": n, "engine": "fake"} for n in engines],
+                                       "ensembles": ensembles or []})
+    srv = LiveServer(create_app(cfg, engines=dict(engines))).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ import openai.types.chat as TC
 import pytest
 from pydantic import BaseModel
 
-from chorus.config import ChorusConfig
 from chorus.engines.fake import FakeEngine
-from chorus.server.app import create_app
 from tests.conftest import LiveServer
+from tests.unit.conftest import serve_fakes
 
 SCHEMAS = Path(os.environ.get("CHORUS_OPENAI_SCHEMAS") or
                Path(__file__).resolve().parents[3] / "shared" / "data" / "openai-spec" / "schemas.json")
@@ -39,15 +38,12 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    engines = {"fake": FakeEngine("fake", max_model_len=512), "scripted": FakeEngine("scripted", script="Hi there.", max_model_len=2048)}
-    cfg = ChorusConfig.model_validate({
-        "models": [{"name": n, "engine": "fake"} for n in engines],
-        "ensembles": [{"name": "avg", "strategy": "logit_average", "members": ["fake", "scripted"]},
-                      {"name": "vote", "strategy": "crowd_vote", "members": ["fake", "scripted"],
-                       "metric": "char_rouge_l"}]})
-    srv = LiveServer(create_app(cfg, engines=engines)).start()
-    yield srv
-    srv.stop()
+    engines = {"fake": FakeEngine("fake", max_model_len=512),
+               "scripted": FakeEngine("scripted", script="Hi there.", max_model_len=2048)}
+    ensembles = [{"name": "avg", "strategy": "logit_average", "members": ["fake", "scripted"]},
+                 {"name": "vote", "strategy": "crowd_vote", "members": ["fake", "scripted"], "metric": "char_rouge_l"}]
+    with serve_fakes(engines, ensembles) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

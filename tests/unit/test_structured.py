@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -15,40 +16,34 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from chorus.config import ChorusConfig
 from chorus.engines.constraint import bounded
 from chorus.engines.fake import FakeEngine
-from chorus.server.app import create_app
 from tests.conftest import LiveServer
+from tests.unit.conftest import serve_fakes
 
 USER = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
+PAIR = [{"model": "json"}, {"model": "abc"}]
+ENSEMBLES = [
+    {"name": "avg", "strategy": "logit_average", "members": PAIR},
+    {"name": "union", "strategy": "logit_average", "align": "topk_union", "top_k": 3, "members": PAIR},
+    {"name": "vote", "strategy": "crowd_vote", "members": PAIR},
+    {"name": "eot", "strategy": "exchange_of_thought", "members": ["json", "json"]},
+    {"name": "moa", "strategy": "mixture_of_agents", "members": ["abc", "json"], "aggregator": "json"},
+    {"name": "route", "strategy": "route", "router": "random", "members": ["json", "abc"]},
+    {"name": "cascade", "strategy": "cascade", "members": ["json", "abc"], "threshold": -1.0},
+]
+
+
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server() -> Iterator[LiveServer]:
     engines = {"json": FakeEngine("json", script='{"name": "Ada", "age": 36}', max_model_len=4096),
                "abc": FakeEngine("abc", max_model_len=4096)}
-    cfg = ChorusConfig.model_validate({
-        "models": [{"name": n, "engine": "fake"} for n in engines],
-        "ensembles": [{"name": "avg", "strategy": "logit_average", "members": [{"model": "json"}, {"model": "abc"}]},
-                      {"name": "union", "strategy": "logit_average", "align": "topk_union", "top_k": 3,
-                       "members": [{"model": "json"}, {"model": "abc"}]},
-                      {"name": "vote", "strategy": "crowd_vote", "members": [{"model": "json"}, {"model": "abc"}]},
-                      {"name": "eot", "strategy": "exchange_of_thought", "members": ["json", "json"]},
-                      {"name": "moa", "strategy": "mixture_of_agents", "members": ["abc", "json"], "aggregator": "json"},
-                      {"name": "route", "strategy": "route", "router": "random", "members": ["json", "abc"]},
-                      {"name": "cascade", "strategy": "cascade", "members": ["json", "abc"], "threshold": -1.0}],
-    })
-    srv = LiveServer(create_app(cfg, engines=engines)).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with serve_fakes(engines, ENSEMBLES) as srv:
+        yield srv
 
 
 def schema_format(schema: dict[str, Any], name: str = "person") -> dict[str, Any]:

@@ -6,6 +6,7 @@ the SDK's ``parse`` helper with a pydantic tool, and a 400 for every malformed f
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,12 +15,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from chorus.config import ChorusConfig
 from chorus.engines import tool_calls
 from chorus.engines.base import Tools
 from chorus.engines.fake import FakeEngine
-from chorus.server.app import create_app
 from tests.conftest import LiveServer
+from tests.unit.conftest import serve_fakes
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -35,23 +35,14 @@ CALL = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]'
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server() -> Iterator[LiveServer]:
     engines = {"caller": FakeEngine("caller", script=CALL, max_model_len=2048),
                "talker": FakeEngine("talker", script="It is sunny.", max_model_len=2048),
                "abc": FakeEngine("abc", max_model_len=2048)}
-    cfg = ChorusConfig.model_validate({
-        "models": [{"name": n, "engine": "fake"} for n in engines],
-        "ensembles": [{"name": "avg", "strategy": "logit_average", "members": ["caller", "abc"]},
-                      {"name": "vote", "strategy": "crowd_vote", "members": ["caller", "caller", "talker"]}],
-    })
-    srv = LiveServer(create_app(cfg, engines=engines)).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ensembles = [{"name": "avg", "strategy": "logit_average", "members": ["caller", "abc"]},
+                 {"name": "vote", "strategy": "crowd_vote", "members": ["caller", "caller", "talker"]}]
+    with serve_fakes(engines, ensembles) as srv:
+        yield srv
 
 
 def check_calls(calls: Any, names: set[str] | None = None) -> None:
