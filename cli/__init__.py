@@ -33,13 +33,16 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("models", "list"): Command("models in the config and their state", "chorus.cli.models:list_models"),
     ("keys", "hash"): Command("print the SHA-256 to put under auth.keys (the raw key is never stored)",
                               "chorus.cli.keys:hash_command", "chorus.cli.keys:arguments", config=False),
-    ("upcycle",): Command("sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE",
+    ("upcycle",): Command("sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE / DeepSeek-V3 blocks",
                           "chorus.cli.families:upcycle", "chorus.cli.families:upcycle_arguments", config=False),
     ("graft",): Command("SOLAR depth up-scaling: layers [0, n-M) then [M, n)",
                         "chorus.cli.families:graft", "chorus.cli.families:graft_arguments", config=False),
     ("train", "modr"): Command("train MoDr's LoRA branches and router (retrofitting a Llama base, or continuing "
                                "a MoDr checkpoint)", "chorus.cli.families:train_modr",
                                "chorus.cli.families:train_modr_arguments", config=False),
+    ("train", "moe"): Command("train an upcycled MoE model with Switch, GShard or DeepSeek routing (or fine-tune the "
+                              "dense base: --router dense)", "chorus.cli.families:train_moe",
+                              "chorus.cli.families:train_moe_arguments", config=False),
     ("train", "duma"): Command("train a DUMA multiple-choice scorer (co-attention head, or the baseline head, on "
                                "a fine-tuned encoder)", "chorus.cli.families:train_duma",
                                "chorus.cli.families:train_duma_arguments", config=False),

@@ -1,4 +1,4 @@
-"""``chorus upcycle``, ``chorus graft``, ``chorus train modr`` and ``chorus train duma``: building model-family
+"""``chorus upcycle``, ``chorus graft``, ``chorus train modr``, ``chorus train moe`` and ``chorus train duma``: building model-family
 checkpoints."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def upcycle(args: argparse.Namespace) -> int:
     try:
         build(args.base, args.out, UpcycleConfig(experts=args.experts, top_k=args.top_k,
                                                    shared_expert=args.shared_expert, router=args.router,
-                                                   noise=args.noise, seed=args.seed), force=args.force)
+                                                   layout=args.layout, noise=args.noise, seed=args.seed),
+              force=args.force)
     except BuildError as exc:
         return _fail(exc)
     return 0
@@ -70,7 +71,10 @@ def upcycle_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--base", required=True, help="dense Llama-architecture checkpoint directory")
     u.add_argument("--experts", type=int, required=True)
     u.add_argument("--top-k", type=int, required=True)
-    u.add_argument("--shared-expert", action="store_true", help="Qwen2-MoE layout with a gated shared expert")
+    u.add_argument("--layout", choices=["mixtral", "qwen2_moe", "deepseek_v3"], default="mixtral",
+                   help="mixtral; qwen2_moe (a gated shared expert); deepseek_v3 (DeepSeek-V3 MoE blocks: sigmoid "
+                        "router with a selection bias, a shared expert; written as Glm4MoeForCausalLM)")
+    u.add_argument("--shared-expert", action="store_true", help="the same as --layout qwen2_moe")
     u.add_argument("--router", choices=["random", "hidden"], default="random",
                    help="router init: random, or the principal directions of each layer's MLP inputs")
     u.add_argument("--noise", type=float, default=0.0, help="perturb each expert copy by noise * std(W)")
@@ -105,6 +109,49 @@ def train_modr_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--coda", type=_range)
     m.add_argument("--max-recurrence", type=int)
     m.add_argument("--device", default="cpu")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--log-every", type=int, default=10)
+    m.add_argument("--force", action="store_true")
+
+
+def train_moe(args: argparse.Namespace) -> int:
+    from chorus.engines.families.moe_train import MoeTrainConfig
+    from chorus.engines.families.moe_train import train_moe as train
+    from chorus.errors import BuildError
+
+    tc = MoeTrainConfig(router=args.router, experts=args.experts, top_k=args.top_k, noise=args.noise, steps=args.steps,
+                        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                        capacity_factor=args.capacity, aux_weight=args.aux_weight, z_weight=args.z_weight,
+                        jitter=args.jitter, bias_speed=args.bias_speed, seed=args.seed, device=args.device,
+                        log_every=args.log_every)
+    try:
+        train(args.base, args.data, args.out, tc, force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def train_moe_arguments(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--base", required=True, help="dense Llama checkpoint (upcycled first) or an MoE checkpoint "
+                                                 "(Mixtral, Qwen2-MoE, DeepSeek-V3 layout)")
+    m.add_argument("--data", required=True, help="JSONL: text | prompt+completion | question+answer | messages")
+    m.add_argument("--router", required=True, choices=["switch", "gshard", "deepseek", "dense"],
+                   help="switch: top-1 + capacity; gshard: top-2 + random second expert; deepseek: sigmoid top-k + "
+                        "shared expert, auxiliary-loss-free bias; dense: fine-tune the dense base's MLPs (baseline)")
+    m.add_argument("--out", required=True)
+    m.add_argument("--experts", type=int, default=4, help="experts when upcycling a dense base")
+    m.add_argument("--top-k", type=int, default=2, help="DeepSeek's experts per token (Switch: 1, GShard: 2)")
+    m.add_argument("--noise", type=float, default=0.01, help="upcycling noise on the expert copies (x std(W))")
+    m.add_argument("--steps", type=int, default=50)
+    m.add_argument("--batch-size", type=int, default=4)
+    m.add_argument("--seq-len", type=int, default=128)
+    m.add_argument("--lr", type=float, default=1e-4)
+    m.add_argument("--capacity", type=float, default=1.25, help="capacity factor (Switch, GShard)")
+    m.add_argument("--aux-weight", type=float, help="auxiliary balance loss weight (default 0.01; DeepSeek: 0)")
+    m.add_argument("--z-weight", type=float, default=0.001, help="router z-loss weight (Switch)")
+    m.add_argument("--jitter", type=float, default=0.0, help="multiplicative router-input noise (Switch)")
+    m.add_argument("--bias-speed", type=float, default=0.001, help="DeepSeek's selection-bias step per batch")
+    m.add_argument("--device", default="cpu", help="cpu or cuda")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--log-every", type=int, default=10)
     m.add_argument("--force", action="store_true")

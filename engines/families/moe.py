@@ -7,10 +7,17 @@ transformers and vLLM load unchanged, in the Hugging Face hub layout:
   ``w2`` = down) and a new router ``block_sparse_moe.gate`` (experts x hidden). Mixtral takes a
   softmax over the router logits and renormalises the top-k weights, so with identical experts
   (no noise) the MoE computes exactly the dense model, whatever the router.
-- Qwen2-MoE with a gated shared expert (``--shared-expert``): output = routed + sigmoid(w_sg . x) *
-  shared. The shared expert is the MLP copied, its gate starts at zero (sigmoid = 1/2) and every
-  routed expert's down projection is halved, so again the dense model is reproduced exactly;
-  training moves the gate and the experts apart.
+- Qwen2-MoE with a gated shared expert (``--layout qwen2_moe``, or ``--shared-expert``): output =
+  routed + sigmoid(w_sg . x) * shared. The shared expert is the MLP copied, its gate starts at zero
+  (sigmoid = 1/2) and every routed expert's down projection is halved, so again the dense model is
+  reproduced exactly; training moves the gate and the experts apart.
+- DeepSeek-V3 MoE blocks (``--layout deepseek_v3``): sigmoid router with a selection bias
+  (``e_score_correction_bias``, zero), top-k weights normalised, an ungated shared expert. Shared
+  and routed copies both have their down projection halved: 1/2 shared + 1/2 routed = the dense
+  MLP. DeepSeek-V3's own model class needs multi-head latent attention, which a Llama's attention
+  cannot be written as; the checkpoint is therefore a ``Glm4MoeForCausalLM`` (GLM-4-MoE: Llama
+  attention with full rotary embedding, DeepSeek-V3's MoE block and tensor names), which
+  transformers and vLLM serve.
 
 Router initialisation: ``random`` (normal, std 0.02) or ``hidden``: the rows are the leading
 principal directions of that layer's MLP inputs on a built-in calibration text, so experts start
@@ -58,6 +65,7 @@ class UpcycleConfig:
     top_k: int = 2
     shared_expert: bool = False
     router: Literal["random", "hidden"] = "random"
+    layout: Literal["mixtral", "qwen2_moe", "deepseek_v3"] = "mixtral"
     noise: float = 0.0
     seed: int = 0
 
@@ -74,10 +82,19 @@ class UpcycleConfig:
             raise BuildError(f"--router must be random or hidden (got {self.router!r})")
         if self.noise < 0:
             raise BuildError(f"--noise must be >= 0 (got {self.noise})")
+        if self.layout not in ("mixtral", "qwen2_moe", "deepseek_v3"):
+            raise BuildError(f"--layout must be mixtral, qwen2_moe or deepseek_v3 (got {self.layout!r})")
+        if self.shared_expert and self.layout == "deepseek_v3":
+            raise BuildError("--shared-expert selects the qwen2_moe layout; it does not combine with deepseek_v3")
+
+    @property
+    def kind(self) -> str:
+        """The layout written: mixtral, qwen2_moe or deepseek_v3."""
+        return "qwen2_moe" if self.shared_expert else self.layout
 
     @property
     def model_type(self) -> str:
-        return "qwen2_moe" if self.shared_expert else "mixtral"
+        return {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "deepseek_v3": "glm4_moe"}[self.kind]
 
 
 # config keys both MoE formats take over from the dense base unchanged
@@ -90,7 +107,16 @@ _SHARED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
 def moe_config(base: dict[str, Any], cfg: UpcycleConfig) -> dict[str, Any]:
     out = {k: base[k] for k in _SHARED_KEYS if k in base}
     inter = int(base["intermediate_size"])
-    if cfg.shared_expert:
+    if cfg.kind == "deepseek_v3":
+        rope = dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 1e4)})
+        out.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], n_routed_experts=cfg.experts,
+                   num_experts_per_tok=cfg.top_k, moe_intermediate_size=inter, intermediate_size=inter,
+                   n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=0,
+                   norm_topk_prob=True, use_qk_norm=False, attention_bias=False, num_nextn_predict_layers=0,
+                   rope_parameters={**rope, "partial_rotary_factor": 1.0}, partial_rotary_factor=1.0,
+                   output_router_logits=False)
+        out.pop("rope_theta", None)
+    elif cfg.kind == "qwen2_moe":
         out.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=cfg.experts,
                    num_experts_per_tok=cfg.top_k, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
                    intermediate_size=inter, norm_topk_prob=True, qkv_bias=False, decoder_sparse_step=1,
@@ -101,7 +127,7 @@ def moe_config(base: dict[str, Any], cfg: UpcycleConfig) -> dict[str, Any]:
                    num_experts_per_tok=cfg.top_k, intermediate_size=inter, sliding_window=None,
                    router_jitter_noise=0.0, router_aux_loss_coef=0.02, output_router_logits=False)
     out["chorus"] = {"family": "moe", "upcycled_from": base.get("_name_or_path") or base.get("model_type"),
-                     "experts": cfg.experts, "top_k": cfg.top_k, "shared_expert": cfg.shared_expert,
+                     "experts": cfg.experts, "top_k": cfg.top_k, "layout": cfg.kind,
                      "router": cfg.router, "noise": cfg.noise}
     return out
 
@@ -156,7 +182,17 @@ def moe_tensors(base: Base, cfg: UpcycleConfig, routers: list[torch.Tensor] | No
             router = routers[i].to(gate.dtype)
         else:
             router = torch.randn(cfg.experts, hidden, generator=gen, dtype=gate.dtype) * 0.02
-        if cfg.shared_expert:
+        if cfg.kind == "deepseek_v3":
+            tensors[pre + "mlp.gate.weight"] = router
+            tensors[pre + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.experts, dtype=torch.float32)
+            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                tensors[pre + f"mlp.shared_experts.{proj}.weight"] = w * 0.5 if proj == "down_proj" else w
+            for e in range(cfg.experts):
+                ex = pre + f"mlp.experts.{e}."
+                tensors[ex + "gate_proj.weight"] = _noisy(gate, cfg.noise, gen)
+                tensors[ex + "up_proj.weight"] = _noisy(up, cfg.noise, gen)
+                tensors[ex + "down_proj.weight"] = _noisy(down, cfg.noise, gen) * 0.5  # 1/2 shared + 1/2 routed
+        elif cfg.kind == "qwen2_moe":
             tensors[pre + "mlp.gate.weight"] = router
             tensors[pre + "mlp.shared_expert_gate.weight"] = torch.zeros(1, hidden, dtype=gate.dtype)
             for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
@@ -189,7 +225,7 @@ def upcycle(base_dir: Path | str, out: Path | str, cfg: UpcycleConfig, *, force:
         copy_tokenizer(base.path, tmp)
         save_checkpoint(tmp, config, tensors, {"family": "moe", "base": str(base.path), **config["chorus"],
                                                "seconds": round(time.perf_counter() - t0, 1)})
-    log(f"upcycled {base.path.name} into {cfg.model_type} with {cfg.experts} experts, top-{cfg.top_k} at {out}")
+    log(f"upcycled {base.path.name} into {cfg.kind} ({config['architectures'][0]}) with {cfg.experts} experts, top-{cfg.top_k} at {out}")
     return out
 
 

@@ -56,7 +56,9 @@ def no_leftovers(out: Path) -> bool:
     UpcycleConfig(experts=3, top_k=1, router="hidden"),
     UpcycleConfig(experts=4, top_k=2, shared_expert=True),
     UpcycleConfig(experts=8, top_k=3, shared_expert=True, router="hidden"),
-], ids=["mixtral", "mixtral-top1-hidden", "qwen2moe-shared", "qwen2moe-hidden"])
+    UpcycleConfig(experts=4, top_k=2, layout="deepseek_v3"),
+    UpcycleConfig(experts=6, top_k=3, layout="deepseek_v3", router="hidden"),
+], ids=["mixtral", "mixtral-top1-hidden", "qwen2moe-shared", "qwen2moe-hidden", "deepseek-v3", "deepseek-v3-hidden"])
 def test_upcycled_identical_experts_equal_the_dense_model(base: Path, ids: torch.Tensor, tmp_path: Path,
                                                           cfg: UpcycleConfig) -> None:
     out = upcycle(base, tmp_path / "moe", cfg, log=lambda _: None)
@@ -85,6 +87,8 @@ def test_upcycle_hub_layout_and_noise(base: Path, ids: torch.Tensor, tmp_path: P
     (UpcycleConfig(experts=1, top_k=1), "--experts must be at least 2"),
     (UpcycleConfig(experts=4, top_k=5), "--top-k must be between 1 and --experts=4"),
     (UpcycleConfig(experts=4, top_k=2, noise=-1), "--noise"),
+    (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v4"), "--layout must be mixtral, qwen2_moe or deepseek_v3"),  # type: ignore[arg-type]
+    (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v3", shared_expert=True), "does not combine"),
 ])
 def test_upcycle_bad_settings(base: Path, tmp_path: Path, cfg: UpcycleConfig, needle: str) -> None:
     with pytest.raises(BuildError, match=needle):
@@ -326,10 +330,12 @@ def _moe_config(kind: str) -> object:
         "olmoe": lambda: tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
         "deepseek_v2": lambda: tf.DeepseekV2Config(**{**common, **mla}),
         "deepseek_v3": lambda: tf.DeepseekV3Config(**{**common, **mla}),
+        "glm4_moe": lambda: tf.Glm4MoeConfig(**common, moe_intermediate_size=48, n_routed_experts=4,
+                                             num_experts_per_tok=2, first_k_dense_replace=0),
     }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe"])
 async def test_moe_classes_serve_through_the_batching_engine(kind: str) -> None:
     """transformers' MoE classes (tiny random configs): cached decode in chorus's runner equals a full forward,
     and every token is counted k times per layer in the expert load."""

@@ -11,7 +11,6 @@ decisions that went to branch i. Held-out loss at the mean recurrence is measure
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -22,10 +21,12 @@ from typing import Any
 
 import torch
 
+from chorus.engines.families.balance import BiasBalancer, load_stats
 from chorus.engines.families.checkpoint import atomic_output, check_new_dir, read_config
 from chorus.engines.families.modr.checkpoint import is_modr_dir, load_base_model, load_modr, save_modr
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.engines.families.modr.model import MoDrModel
+from chorus.engines.families.train_data import pack, read_texts
 from chorus.errors import BuildError
 
 
@@ -51,42 +52,6 @@ class TrainConfig:
             raise BuildError(f"--bptt must be >= 1 (got {self.bptt})")
         if not 1 <= self.mean_recurrence <= max_recurrence:
             raise BuildError(f"--mean-recurrence must be between 1 and max_recurrence={max_recurrence}")
-
-
-def read_texts(path: Path) -> list[str]:
-    """JSONL rows: {"text"}, {"prompt", "completion"}, {"question", "answer"} or {"messages"}."""
-    if not path.is_file():
-        raise BuildError(f"training data {path} does not exist")
-    texts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise BuildError(f"{path}:{n} is not JSON") from None
-        if "text" in row:
-            texts.append(str(row["text"]))
-        elif "prompt" in row and "completion" in row:
-            texts.append(f"{row['prompt']}{row['completion']}")
-        elif "question" in row and "answer" in row:
-            texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
-        elif "messages" in row:
-            texts.append("\n".join(f"{m['role']}: {m['content']}" for m in row["messages"]))
-        else:
-            raise BuildError(f"{path}:{n}: expected a 'text', 'prompt'+'completion', 'question'+'answer' or "
-                             "'messages' field")
-    if not texts:
-        raise BuildError(f"{path} holds no training rows")
-    return texts
-
-
-def pack(ids: list[list[int]], eos: int, seq_len: int) -> torch.Tensor:
-    flat = [t for row in ids for t in [*row, eos]]
-    n = len(flat) // seq_len
-    if n < 2:
-        raise BuildError(f"the data gives {len(flat)} tokens: fewer than two sequences of {seq_len}")
-    return torch.tensor(flat[: n * seq_len]).view(n, seq_len)  # (N, T)
 
 
 def sample_recurrence(mean: float, sigma: float, cap: int, rng: random.Random) -> int:
@@ -154,6 +119,7 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
         return sum(losses) / len(losses)
 
     rng = random.Random(tc.seed)
+    balancer = BiasBalancer(model.router_bias, tc.eta)
     gen = torch.Generator().manual_seed(tc.seed)
     before = held_loss()
     log(f"training MoDr: {len(train)} sequences of {tc.seq_len} tokens, {sum(p.numel() for _, p in params):,} "
@@ -176,10 +142,7 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
         for rep in model.reports:
             for b in rep.branches:
                 counts[b] += 1
-        mean_c = sum(counts) / len(counts)
-        with torch.no_grad():  # auxiliary-loss-free balancing
-            model.router_bias += tc.eta * torch.sign(torch.tensor([mean_c - c for c in counts], dtype=torch.float,
-                                                                  device=model.router_bias.device))
+        balancer.update(torch.tensor(counts))
         usage = [u + c for u, c in zip(usage, counts)]
         losses.append(float(loss.detach()))
         if step % tc.log_every == 0 or step == tc.steps:
@@ -191,6 +154,7 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
     model.eval()
     summary = {"loss_before": round(before, 4), "loss_after": round(after, 4), "eval_recurrence": eval_r,
                "steps": tc.steps, "seconds": round(time.perf_counter() - t0, 1), "branch_usage": usage,
+               "branch_balance": load_stats(usage),
                "router_bias": [round(float(b), 5) for b in model.router_bias], "data": str(data),
                "retrofit": retrofitting, "train": asdict(tc)}
     with atomic_output(out, force) as tmp:

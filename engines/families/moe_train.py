@@ -1,0 +1,207 @@
+"""Training upcycled MoE models (docs/methods.md §5): ``chorus train moe``.
+
+A dense Llama base is first upcycled (`moe.upcycle`) into the router's layout (Switch and GShard:
+Mixtral, top-1 / top-2; DeepSeek: DeepSeek-V3 blocks with a shared expert), with a little noise on
+the expert copies so they can diverge; an MoE checkpoint (Mixtral, Qwen2-MoE, DeepSeek-V3 / GLM-4-MoE)
+is trained as it is. The MoE blocks are wrapped in `MoELayer` with the chosen router; the experts,
+shared experts and routers train, everything else (attention, norms, embeddings) stays frozen. The
+loss is the language-model loss plus each router's auxiliary terms; after each step the DeepSeek
+router's selection bias moves (auxiliary-loss-free). ``router="dense"`` fine-tunes the dense
+base's MLPs the same way: the baseline the evidence compares with.
+
+The result is written with transformers' ``save_pretrained`` (hub layout) plus the tokenizer and a
+manifest holding the run's summary (losses, expert loads, dropped share), atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chorus.engines.families.balance import load_stats
+from chorus.engines.families.checkpoint import MANIFEST, atomic_output, check_new_dir, copy_tokenizer, read_config
+from chorus.engines.families.moe import UpcycleConfig, upcycle
+from chorus.engines.families.moe_layer import MoELayer, unwrap_all, wrap_all
+from chorus.engines.families.moe_routing import DEFAULT_LAYOUT, ROUTERS
+from chorus.engines.families.train_data import pack, read_texts
+from chorus.errors import BuildError
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
+
+
+@dataclass
+class MoeTrainConfig:
+    router: str = "switch"  # switch | gshard | deepseek | dense
+    experts: int = 4  # when upcycling a dense base
+    top_k: int = 2  # DeepSeek's k (Switch is top-1, GShard top-2)
+    noise: float = 0.01  # upcycling noise on the expert copies
+    steps: int = 50
+    batch_size: int = 4
+    seq_len: int = 128
+    lr: float = 1e-4
+    capacity_factor: float = 1.25
+    aux_weight: float | None = None  # None: 0.01 for Switch / GShard, 0 for DeepSeek (auxiliary-loss-free)
+    z_weight: float = 0.001  # Switch's router z-loss
+    jitter: float = 0.0
+    bias_speed: float = 0.001  # DeepSeek's bias update per step
+    eval_batches: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    log_every: int = 10
+
+    def check(self) -> None:
+        if self.router not in (*ROUTERS, "dense"):
+            raise BuildError(f"--router must be one of {', '.join([*ROUTERS, 'dense'])} (got {self.router!r})")
+        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8:
+            raise BuildError("need steps >= 1, batch size >= 1 and sequence length >= 8")
+        if not self.lr > 0:
+            raise BuildError(f"--lr must be > 0 (got {self.lr})")
+        if self.bias_speed < 0:
+            raise BuildError(f"--bias-speed must be >= 0 (got {self.bias_speed})")
+
+    def router_settings(self) -> dict[str, Any]:
+        aux = self.aux_weight if self.aux_weight is not None else (0.0 if self.router == "deepseek" else 0.01)
+        return {"capacity_factor": self.capacity_factor, "aux_weight": aux, "z_weight": self.z_weight,
+                "jitter": self.jitter, "bias_speed": self.bias_speed, "top_k": self.top_k,
+                "generator": torch.Generator().manual_seed(self.seed)}
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BuildError("--device cuda: no CUDA device is available")
+    return device
+
+
+def prepare_base(base: Path, tc: MoeTrainConfig, work: Path, log: Callable[[str], None]) -> Path:
+    """The MoE checkpoint to train: ``base`` itself, or ``base`` upcycled into the router's layout."""
+    kind = read_config(base).get("model_type")
+    if tc.router == "dense" or kind in MOE_TYPES:
+        if tc.router == "dense" and kind in MOE_TYPES:
+            raise BuildError("--router dense fine-tunes a dense base; this base is already an MoE model")
+        return base
+    top_k = {"switch": 1, "gshard": 2}.get(tc.router, tc.top_k)
+    cfg = UpcycleConfig(experts=tc.experts, top_k=top_k, layout=DEFAULT_LAYOUT[tc.router], noise=tc.noise,  # type: ignore[arg-type]
+                        seed=tc.seed)
+    return upcycle(base, work / "upcycled", cfg, log=log)
+
+
+def _trainable(model: Any, layers: list[MoELayer] | None) -> list[torch.nn.Parameter]:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if layers is None:  # dense: every MLP
+        params = [p for layer in model.model.layers for p in layer.mlp.parameters()]
+    else:
+        params = list({id(p): p for moe in layers for p in moe.parameters()}.values())
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def train_moe(base: Path | str, data: Path | str, out: Path | str, tc: MoeTrainConfig, *, force: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train and write an MoE (or, ``router="dense"``, a dense) checkpoint; returns the run's summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tc.check()
+    base, data = Path(base).expanduser().resolve(), Path(data).expanduser()
+    out = check_new_dir(out, force)
+    if not (base / "config.json").is_file():
+        raise BuildError(f"{base} is not a checkpoint directory (no config.json)")
+    device = _device(tc.device)
+    texts = read_texts(data)
+    tok = AutoTokenizer.from_pretrained(base)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    seqs = pack([tok(t, add_special_tokens=False)["input_ids"] for t in texts], eos, tc.seq_len)
+    n_eval = min(tc.eval_batches * tc.batch_size, max(1, len(seqs) // 5))
+    held, train = seqs[:n_eval], seqs[n_eval:]
+    torch.manual_seed(tc.seed)
+    with tempfile.TemporaryDirectory(prefix="chorus-moe-") as work:
+        start = prepare_base(base, tc, Path(work), log)
+        model: Any = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    model.to(device)
+    layers = None if tc.router == "dense" else wrap_all(model, tc.router, **tc.router_settings())
+    params = _trainable(model, layers)
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+
+    def lm_loss(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=batch[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+    def held_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            losses = [float(lm_loss(held[i: i + tc.batch_size].to(device))) for i in range(0, len(held), tc.batch_size)]
+        model.train()
+        return sum(losses) / len(losses)
+
+    before = held_loss()
+    n_layers = len(layers or [])
+    experts = layers[0].router.experts if layers else 0
+    loads = torch.zeros(n_layers, experts, dtype=torch.long)
+    dropped = decisions = 0
+    aux_total = 0.0
+    log(f"training {tc.router}: {len(train)} sequences of {tc.seq_len} tokens, "
+        f"{sum(p.numel() for p in params):,} trainable parameters; held-out loss {before:.4f}")
+    gen = torch.Generator().manual_seed(tc.seed)
+    t0 = time.perf_counter()
+    model.train()
+    losses: list[float] = []
+    for step in range(1, tc.steps + 1):
+        batch = train[torch.randint(0, len(train), (tc.batch_size,), generator=gen)].to(device)
+        loss = lm_loss(batch)
+        aux = sum((moe.last.aux for moe in layers if moe.last is not None), loss.new_zeros(())) if layers else None
+        total = loss + aux if aux is not None else loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        for i, moe in enumerate(layers or []):
+            moe.router.step_end()
+            r = moe.last
+            assert r is not None
+            loads[i] += r.counts.cpu()
+            dropped += r.dropped
+            decisions += int(r.counts.sum())
+        aux_total += float(aux.detach()) if aux is not None else 0.0
+        losses.append(float(loss.detach()))
+        if step % tc.log_every == 0 or step == tc.steps:
+            recent = losses[-tc.log_every:]
+            extra = f"  load cv {load_stats(loads)['cv']:.3f}" if layers else ""
+            log(f"step {step:4d}  loss {sum(recent) / len(recent):.4f}{extra}  {time.perf_counter() - t0:.0f}s")
+    seconds = time.perf_counter() - t0
+    after = held_loss()
+    model.eval()
+    summary: dict[str, Any] = {"router": tc.router, "loss_before": round(before, 4), "loss_after": round(after, 4),
+                               "steps": tc.steps, "seconds": round(seconds, 1),
+                               "train_tokens_per_s": round(tc.steps * tc.batch_size * (tc.seq_len - 1) / seconds, 1),
+                               "trainable_parameters": sum(p.numel() for p in params), "data": str(data),
+                               "train": {k: v for k, v in asdict(tc).items()}}
+    if layers:
+        summary.update(load=load_stats(loads), loads=loads.tolist(), aux_loss_mean=round(aux_total / tc.steps, 5),
+                       dropped_share=round(dropped / max(1, decisions), 4))
+        if layers[0].router.bias is not None:
+            summary["selection_bias"] = [[round(float(b), 4) for b in moe.router.bias.tolist()] for moe in layers
+                                         if moe.router.bias is not None]
+        unwrap_all(model)
+        model.config.num_experts_per_tok = layers[0].router.top_k
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to("cpu")
+    with atomic_output(out, force) as tmp:
+        model.save_pretrained(tmp)
+        copy_tokenizer(base, tmp)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"family": "moe" if layers else "dense", "base": str(base), "training": summary, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    log(f"held-out loss {before:.4f} -> {after:.4f}"
+        + (f"; load cv {summary['load']['cv']}, max/min {summary['load']['max_min']}, dropped "
+           f"{summary['dropped_share']:.2%}" if layers else "") + f"; saved to {out}")
+    return summary
