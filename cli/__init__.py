@@ -67,6 +67,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                     "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
     ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",
                                    "chorus.bench.families:main", "chorus.bench.families:add_arguments"),
+    ("bench", "moe-train"): Command("MoE training evidence: dense fine-tune vs Switch / GShard / DeepSeek MoE "
+                                    "(held-out loss, load balance, dropped share, serving tok/s)",
+                                    "chorus.bench.moe_train:main", "chorus.bench.moe_train:add_arguments", config=False),
+    ("bench", "moe-gpu"): Command("chorus train moe on a GPU with random SmolLM2-shaped weights (no model files)",
+                                  "chorus.bench.moe_gpu:main", "chorus.bench.moe_gpu:add_arguments", config=False),
     ("bench", "load"): Command("N clients for T seconds: outcomes, errors, p99, memory",
                                "chorus.clients.bench_load:main", "chorus.clients.bench_load:add_arguments"),
     ("bench", "gateway"): Command("gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",

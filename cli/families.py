@@ -122,8 +122,8 @@ def train_moe(args: argparse.Namespace) -> int:
     tc = MoeTrainConfig(router=args.router, experts=args.experts, top_k=args.top_k, noise=args.noise, steps=args.steps,
                         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         capacity_factor=args.capacity, aux_weight=args.aux_weight, z_weight=args.z_weight,
-                        jitter=args.jitter, bias_speed=args.bias_speed, seed=args.seed, device=args.device,
-                        log_every=args.log_every)
+                        jitter=args.jitter, bias_speed=args.bias_speed, eval_sequences=args.eval_sequences,
+                        seed=args.seed, device=args.device, log_every=args.log_every)
     try:
         train(args.base, args.data, args.out, tc, force=args.force)
     except BuildError as exc:
@@ -151,6 +151,7 @@ def train_moe_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--z-weight", type=float, default=0.001, help="router z-loss weight (Switch)")
     m.add_argument("--jitter", type=float, default=0.0, help="multiplicative router-input noise (Switch)")
     m.add_argument("--bias-speed", type=float, default=0.001, help="DeepSeek's selection-bias step per batch")
+    m.add_argument("--eval-sequences", type=int, default=8, help="packed sequences held out for the loss")
     m.add_argument("--device", default="cpu", help="cpu or cuda")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--log-every", type=int, default=10)

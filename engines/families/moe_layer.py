@@ -51,10 +51,13 @@ class MoELayer(nn.Module):
         out = torch.zeros_like(x)
         idx, weights = routing.experts, routing.weights
         ex: Any = self.experts
+        # one unbind per tensor, not an index per expert: backward then builds the stacked gradient once
+        # instead of a zero-filled (E, ...) tensor for every expert it visits
+        gate_up, down = ex.gate_up_proj.unbind(0), ex.down_proj.unbind(0)
         for e in torch.unique(idx[idx >= 0]).tolist():
             token, slot = torch.where(idx == e)
-            gate, up = nn.functional.linear(x[token], ex.gate_up_proj[e]).chunk(2, dim=-1)
-            y = nn.functional.linear(ex.act_fn(gate) * up, ex.down_proj[e])
+            gate, up = nn.functional.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(ex.act_fn(gate) * up, down[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         if self.shared is not None:
             s = self.shared(x)

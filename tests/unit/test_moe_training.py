@@ -4,6 +4,7 @@ layout, the shared balancing code, and `chorus train moe` end to end on a tiny b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -274,3 +275,15 @@ def test_cli_train_moe(corpus: tuple[Path, Path], tmp_path: Path) -> None:
     assert res.returncode == 2 and "--top-k must be between 1 and --experts=4" in res.stderr
     res = run(out, "--top-k", "2")
     assert res.returncode == 2 and "already exists" in res.stderr
+
+
+def test_gpu_check_script_runs_on_cpu_with_tiny_shapes() -> None:
+    """scripts/bench-gpu moe (what runs on a lent GPU machine) on CPU with tiny shapes: it cannot rot unseen."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["bash", str(root / "scripts" / "bench-gpu"), "moe", "--tiny", "--cpu", "--steps", "2",
+                          "--batch-size", "2", "--seq-len", "32"], capture_output=True, text=True, timeout=600,
+                         check=True, env={**os.environ, "PYTHON": sys.executable}).stdout
+    diffs = [line for line in out.splitlines() if line.startswith(("| mixtral", "| qwen2_moe", "| deepseek_v3", "| glm4"))]
+    assert len(diffs) == 4 and all(float(line.split("|")[2]) < 1e-5 for line in diffs), out
+    for arch in ("LlamaForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"):
+        assert f"| {arch} " in out

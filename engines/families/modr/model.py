@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chorus.engines.families.balance import BiasBalancer, counts_of
 from chorus.engines.families.kv_cache import GrowingLayer
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.errors import BuildError
@@ -224,6 +225,8 @@ class MoDrModel(nn.Module):
         self.controls: list[RowControl | None] | None = None
         self.reports: list[RowReport] = []
         self.use_branches = True
+        #: set by the trainer: the auxiliary-loss-free bias update, applied after each recurrence step's routing
+        self.balancer: BiasBalancer | None = None
 
     # ---- parameters ----
     def branch_parameters(self) -> dict[str, torch.Tensor]:
@@ -353,6 +356,8 @@ class MoDrModel(nn.Module):
                 s = torch.where(running[:, None, None], y, s)
             used += running.long()
             branch_log.append(torch.where(running, branch if branch.dim() == 1 else branch[:, -1], -1))
+            if self.balancer is not None and self.training:  # training: balance after every routing round
+                self.balancer.update(counts_of(branch_log[-1], cfg.branches))
             active = running
             if bool((exit_kl > 0).any()) and t + 1 < steps_max:
                 with torch.no_grad():

@@ -4,9 +4,10 @@ Only the LoRA branches and the router train (and the input-injection adapter whe
 from a plain Llama checkpoint, i.e. retrofitting); the base stays frozen. Each step samples a
 recurrence count as Huginn does (log-normal Poisson with the given mean: ``tau ~ N(log(mean) -
 sigma^2/2, sigma)``, ``r = Poisson(exp(tau)) + 1``), runs the first ``r - k`` steps without
-gradients and backpropagates through the last ``k`` (truncated BPTT). After each batch the router
-bias moves without an auxiliary loss: ``b_i += eta * sign(mean(c) - c_i)`` with ``c_i`` the routing
-decisions that went to branch i. Held-out loss at the mean recurrence is measured before and after.
+gradients and backpropagates through the last ``k`` (truncated BPTT). After every routing round
+(each recurrence step of a batch) the router bias moves without an auxiliary loss (`balance.BiasBalancer`,
+the same code the MoE trainer uses): ``b_i += eta * sign(mean(c) - c_i)`` with ``c_i`` the routing
+decisions of that round that went to branch i. Held-out loss at the mean recurrence is measured before and after.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
         return sum(losses) / len(losses)
 
     rng = random.Random(tc.seed)
-    balancer = BiasBalancer(model.router_bias, tc.eta)
+    model.balancer = BiasBalancer(model.router_bias, tc.eta)  # moves the bias after every routing round
     gen = torch.Generator().manual_seed(tc.seed)
     before = held_loss()
     log(f"training MoDr: {len(train)} sequences of {tc.seq_len} tokens, {sum(p.numel() for _, p in params):,} "
@@ -142,12 +143,12 @@ def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainCon
         for rep in model.reports:
             for b in rep.branches:
                 counts[b] += 1
-        balancer.update(torch.tensor(counts))
         usage = [u + c for u, c in zip(usage, counts)]
         losses.append(float(loss.detach()))
         if step % tc.log_every == 0 or step == tc.steps:
             log(f"step {step:4d}  loss {sum(losses[-tc.log_every:]) / len(losses[-tc.log_every:]):.4f}  "
                 f"r={r:2d}  branches {counts}  {time.perf_counter() - t0:.0f}s")
+    model.balancer = None
     after = held_loss()
     for _, p in params:
         p.requires_grad_(False)
