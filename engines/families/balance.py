@@ -1,4 +1,4 @@
-"""Load balancing for routed layers, shared by the MoE trainer and MoDr's branch router (docs/methods.md §5, §8).
+"""Load balancing for routed layers, shared by the MoE trainer and MoDr's branch router (docs/methods.md §6, §8).
 
 - `switch_aux_loss`: the Switch Transformer auxiliary loss ``E * sum_i f_i * P_i`` (f_i: share of
   routing decisions sent to expert i, P_i: mean router probability of expert i). It is 1 when the

@@ -1,4 +1,4 @@
-"""The routers of the MoE papers chorus trains with (docs/methods.md §5): Switch, GShard and DeepSeek.
+"""The routers of the MoE papers chorus trains with (docs/methods.md §6): Switch, GShard and DeepSeek.
 
 A router turns a layer's router logits into a `Routing`: which experts each token goes to and the
 weight each expert's output gets. In evaluation mode (serving) every router computes exactly what

@@ -1,4 +1,4 @@
-"""Training upcycled MoE models (docs/methods.md §5): ``chorus train moe``.
+"""Training upcycled MoE models (docs/methods.md §6): ``chorus train moe``.
 
 A dense Llama base is first upcycled (`moe.upcycle`) into the router's layout (Switch and GShard:
 Mixtral, top-1 / top-2; DeepSeek: DeepSeek-V3 blocks with a shared expert), with a little noise on

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -94,3 +97,33 @@ def test_modr_branch_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> Non
     text = httpx.get(real_server.url + "/metrics").text
     assert f'chorus_modr_branch_selections_total{{branch="0",model="{MODR}"}}' in text
     assert f'chorus_modr_decoded_tokens_total{{model="{MODR}"}}' in text
+
+
+def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: ChorusConfig, tmp_path: Path) -> None:
+    """`chorus train moe --router deepseek` on the real SmolLM2 (2 experts, 2 short steps: the path, not the
+    quality), then served from `path:`: the GLM-4-MoE checkpoint answers through the openai SDK and its trace
+    counts 2 experts per token in every layer."""
+    from chorus.engines.families.moe_train import MoeTrainConfig, train_moe
+    from chorus.engines.spec import ModelSpec
+    from chorus.server.app import create_app
+
+    base = default_config.model(SMOL).checkpoint_dir()
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                         "answer": str(a + b)}) for a in range(20) for b in range(3)))
+    out = tmp_path / "moe"
+    tc = MoeTrainConfig(router="deepseek", experts=2, top_k=2, steps=2, batch_size=1, seq_len=32, lr=1e-4,
+                        bias_speed=0.01, eval_sequences=2, log_every=100)
+    summary = train_moe(base, data, out, tc, log=lambda _: None)
+    assert summary["dropped_share"] == 0 and summary["aux_loss_mean"] == 0
+    srv = LiveServer(create_app(ChorusConfig(models=[ModelSpec(name="trained-moe", path=str(out))]))).start(timeout=300)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model="trained-moe", messages=ASK, temperature=0, max_tokens=6,
+                                           extra_body={"trace": True})
+        assert r.choices[0].message.content and r.usage is not None
+        counts = torch.tensor(r.model_extra["trace"]["experts"]["tokens_per_expert"])
+        assert counts.shape == (30, 2)
+        assert (counts.sum(1) == 2 * (r.usage.prompt_tokens + r.usage.completion_tokens - 1)).all()
+    finally:
+        srv.stop()
