@@ -44,7 +44,7 @@ def _config(layout: str, k: int, **extra: Any) -> Any:
     moe = dict(moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=k, n_shared_experts=1,
                first_k_dense_replace=0, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     if layout == "deepseek_v3":
-        return tf.DeepseekV3Config(**{**COMMON, **moe, **extra}, q_lora_rank=None, kv_lora_rank=16,
+        return tf.DeepseekV3Config(**{**COMMON, **moe, "num_key_value_heads": 4, **extra}, q_lora_rank=None, kv_lora_rank=16,
                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     return tf.Glm4MoeConfig(**{**COMMON, **moe, **extra})
 
@@ -257,6 +257,33 @@ def test_train_moe_continues_an_moe_checkpoint_and_refuses_bad_settings(corpus: 
         with pytest.raises(BuildError, match=needle):
             train_moe(src, data, tmp_path / "bad", tc, log=lambda _: None)
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("layout", ["qwen2_moe", "deepseek_v3"])
+def test_train_moe_reads_and_writes_the_other_layouts(corpus: tuple[Path, Path], tmp_path: Path, layout: str) -> None:
+    """A Qwen2-MoE checkpoint (upcycled with a gated shared expert) and a real DeepSeek-V3 checkpoint (its own class,
+    multi-head latent attention) train in place and are written back in their own layout."""
+    from chorus.engines.families.checkpoint import copy_tokenizer
+    from chorus.engines.families.moe import UpcycleConfig, upcycle
+
+    base, data = corpus
+    if layout == "qwen2_moe":
+        src = upcycle(base, tmp_path / "src", UpcycleConfig(experts=4, top_k=2, shared_expert=True, noise=0.05),
+                      log=lambda _: None)
+        router, arch, moved = "gshard", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight"
+    else:
+        torch.manual_seed(0)
+        cfg = _config("deepseek_v3", 2, vocab_size=49152, num_hidden_layers=2)
+        src = tmp_path / "src"
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+        copy_tokenizer(base, src)
+        router, arch, moved = "deepseek", "DeepseekV3ForCausalLM", "model.layers.0.mlp.gate.e_score_correction_bias"
+    before = load_file(src / "model.safetensors")[moved].clone()
+    out = tmp_path / "out"
+    train_moe(src, data, out, MoeTrainConfig(router=router, steps=3, seq_len=16, lr=3e-3, bias_speed=0.01,
+                                             log_every=100), log=lambda _: None)
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == arch
+    assert not torch.equal(load_file(out / "model.safetensors")[moved], before)
 
 
 def test_cli_train_moe(corpus: tuple[Path, Path], tmp_path: Path) -> None:
