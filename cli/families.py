@@ -100,7 +100,9 @@ def train_modr_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--lr", type=float, default=1e-3)
     m.add_argument("--mean-recurrence", type=float, default=4.0, help="Huginn trains with 32 (GPU)")
     m.add_argument("--bptt", type=int, default=2, help="backpropagate through the last k steps (Huginn: 8)")
-    m.add_argument("--eta", type=float, default=0.001, help="router bias step (0 lets the routing collapse)")
+    m.add_argument("--eta", type=float, default=0.03,
+                   help="router bias step per routing round (0 lets the routing collapse; 0.001 balanced nothing "
+                        "in 20 steps)")
     m.add_argument("--branches", type=int, default=4)
     m.add_argument("--rank", type=int, default=16)
     m.add_argument("--alpha", type=float, default=16.0)

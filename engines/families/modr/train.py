@@ -40,7 +40,7 @@ class TrainConfig:
     mean_recurrence: float = 4.0
     sigma: float = 0.5
     bptt: int = 2
-    eta: float = 0.001
+    eta: float = 0.03  # per routing round; see the README's MoDr balance table
     eval_batches: int = 2
     seed: int = 0
     device: str = "cpu"
