@@ -128,8 +128,9 @@ def main(args: argparse.Namespace) -> int:
         base = build_base(root, shape)
         data = corpus(root / "train.jsonl", 400)
         for router in ("dense", "switch", "gshard", "deepseek"):
-            tc = MoeTrainConfig(router=router, experts=args.experts, steps=args.steps, batch_size=args.batch_size,
-                                seq_len=args.seq_len, lr=3e-4, bias_speed=0.01, device=device,
+            tc = MoeTrainConfig(router=router, experts=None if router == "dense" else args.experts, steps=args.steps,
+                                batch_size=args.batch_size, seq_len=args.seq_len, lr=3e-4, device=device,
+                                bias_speed=0.01 if router == "deepseek" else None,
                                 log_every=args.steps + 1, eval_sequences=8)
             t0 = time.perf_counter()
             s = train_moe(base, data, root / router, tc, log=lambda _: None)

@@ -49,7 +49,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     counts = [int(e) for e in args.experts.split(",")]
     for router in args.routers.split(","):
         for e in counts:
-            out.append((f"{router}-{e}", {"router": router, "experts": e, "bias_speed": args.bias_speed}))
+            speed = {"bias_speed": args.bias_speed} if router == "deepseek" else {}
+            out.append((f"{router}-{e}", {"router": router, "experts": e, **speed}))
     if "deepseek" in args.routers.split(",") and not args.no_control:
         out.append((f"deepseek-{counts[0]}-frozen-bias", {"router": "deepseek", "experts": counts[0], "bias_speed": 0.0}))
     return out

@@ -36,21 +36,32 @@ from chorus.errors import BuildError
 MOE_TYPES = ("mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
 
 
+#: settings that only some routers use; None = not given (the router's default applies)
+ROUTER_ONLY = {"top_k": ("deepseek",), "capacity_factor": ("switch", "gshard"), "z_weight": ("switch", "gshard"),
+               "jitter": ("switch",), "bias_speed": ("deepseek",), "aux_weight": ("switch", "gshard", "deepseek")}
+DEFAULTS = {"top_k": 2, "capacity_factor": 1.25, "z_weight": 0.001, "jitter": 0.0, "bias_speed": 0.001}
+OPTION = {"top_k": "--top-k", "capacity_factor": "--capacity", "z_weight": "--z-weight", "jitter": "--jitter",
+          "bias_speed": "--bias-speed", "aux_weight": "--aux-weight", "experts": "--experts", "noise": "--noise"}
+
+
 @dataclass
 class MoeTrainConfig:
+    """Training settings. The router-specific ones default to None ("not given"): a router uses its own
+    default, and a setting given for a router that has no use for it is refused rather than ignored."""
+
     router: str = "switch"  # switch | gshard | deepseek | dense
-    experts: int = 4  # when upcycling a dense base
-    top_k: int = 2  # DeepSeek's k (Switch is top-1, GShard top-2)
-    noise: float = 0.01  # upcycling noise on the expert copies
+    experts: int | None = None  # when upcycling a dense base (default 4)
+    top_k: int | None = None  # DeepSeek's k (default 2; Switch is top-1, GShard top-2)
+    noise: float | None = None  # upcycling noise on the expert copies (default 0.01)
     steps: int = 50
     batch_size: int = 4
     seq_len: int = 128
     lr: float = 1e-4
-    capacity_factor: float = 1.25
-    aux_weight: float | None = None  # None: 0.01 for Switch / GShard, 0 for DeepSeek (auxiliary-loss-free)
-    z_weight: float = 0.001  # Switch's router z-loss
-    jitter: float = 0.0
-    bias_speed: float = 0.001  # DeepSeek's bias update per step
+    capacity_factor: float | None = None  # Switch / GShard (default 1.25)
+    aux_weight: float | None = None  # 0.01 for Switch / GShard, 0 for DeepSeek (auxiliary-loss-free)
+    z_weight: float | None = None  # router z-loss, Switch and GShard (default 0.001)
+    jitter: float | None = None  # Switch's router-input noise (default 0)
+    bias_speed: float | None = None  # DeepSeek's bias step per training step (default 0.001)
     eval_sequences: int = 8  # held out from the start of the packed data (at most a fifth of it)
     seed: int = 0
     device: str = "cpu"
@@ -63,14 +74,22 @@ class MoeTrainConfig:
             raise BuildError("need steps >= 1, batch size >= 1, sequence length >= 8 and eval sequences >= 1")
         if not self.lr > 0:
             raise BuildError(f"--lr must be > 0 (got {self.lr})")
-        if self.bias_speed < 0:
+        for name, routers in ROUTER_ONLY.items():
+            if getattr(self, name) is not None and self.router not in routers:
+                raise BuildError(f"{OPTION[name]} applies to --router {' / '.join(routers)}, not {self.router}")
+        if self.bias_speed is not None and self.bias_speed < 0:
             raise BuildError(f"--bias-speed must be >= 0 (got {self.bias_speed})")
+        if self.router == "dense":
+            for name in ("experts", "noise"):
+                if getattr(self, name) is not None:
+                    raise BuildError(f"{OPTION[name]} applies to upcycling, not to --router dense")
 
     def router_settings(self) -> dict[str, Any]:
-        aux = self.aux_weight if self.aux_weight is not None else (0.0 if self.router == "deepseek" else 0.01)
-        return {"capacity_factor": self.capacity_factor, "aux_weight": aux, "z_weight": self.z_weight,
-                "jitter": self.jitter, "bias_speed": self.bias_speed, "top_k": self.top_k,
-                "generator": torch.Generator().manual_seed(self.seed)}
+        out: dict[str, Any] = {k: DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in DEFAULTS}
+        out["aux_weight"] = self.aux_weight if self.aux_weight is not None else (
+            0.0 if self.router == "deepseek" else 0.01)
+        out["generator"] = torch.Generator().manual_seed(self.seed)
+        return out
 
 
 def _device(name: str) -> torch.device:
@@ -83,13 +102,18 @@ def _device(name: str) -> torch.device:
 def prepare_base(base: Path, tc: MoeTrainConfig, work: Path, log: Callable[[str], None]) -> Path:
     """The MoE checkpoint to train: ``base`` itself, or ``base`` upcycled into the router's layout."""
     kind = read_config(base).get("model_type")
+    if tc.router == "dense" and kind in MOE_TYPES:
+        raise BuildError("--router dense fine-tunes a dense base; this base is already an MoE model")
+    if kind in MOE_TYPES:
+        for name in ("experts", "noise"):
+            if getattr(tc, name) is not None:
+                raise BuildError(f"{OPTION[name]} applies to upcycling a dense base; {base.name} is already an MoE "
+                                 f"model ({kind})")
     if tc.router == "dense" or kind in MOE_TYPES:
-        if tc.router == "dense" and kind in MOE_TYPES:
-            raise BuildError("--router dense fine-tunes a dense base; this base is already an MoE model")
         return base
-    top_k = {"switch": 1, "gshard": 2}.get(tc.router, tc.top_k)
-    cfg = UpcycleConfig(experts=tc.experts, top_k=top_k, layout=DEFAULT_LAYOUT[tc.router], noise=tc.noise,  # type: ignore[arg-type]
-                        seed=tc.seed)
+    top_k = {"switch": 1, "gshard": 2}.get(tc.router, tc.top_k or DEFAULTS["top_k"])
+    cfg = UpcycleConfig(experts=tc.experts or 4, top_k=top_k, layout=DEFAULT_LAYOUT[tc.router],  # type: ignore[arg-type]
+                        noise=0.01 if tc.noise is None else tc.noise, seed=tc.seed)
     return upcycle(base, work / "upcycled", cfg, log=log)
 
 

@@ -206,7 +206,8 @@ def test_train_moe_lowers_the_loss_and_writes_a_servable_checkpoint(corpus: tupl
                                                                     router: str, arch: str, k: int) -> None:
     base, data = corpus
     out = tmp_path / router
-    tc = MoeTrainConfig(router=router, steps=15, batch_size=4, seq_len=16, lr=3e-3, noise=0.05, log_every=100)
+    tc = MoeTrainConfig(router=router, steps=15, batch_size=4, seq_len=16, lr=3e-3, log_every=100,
+                        noise=None if router == "dense" else 0.05)
     summary = train_moe(base, data, out, tc, log=lambda _: None)
     assert summary["loss_after"] < summary["loss_before"] - 0.5
     manifest = json.loads((out / "chorus-prepared.json").read_text())
@@ -249,6 +250,12 @@ def test_train_moe_continues_an_moe_checkpoint_and_refuses_bad_settings(corpus: 
            (first, MoeTrainConfig(router="dense"), "already an MoE model"),
            (base, MoeTrainConfig(router="expert-choice"), "--router must be one of"),
            (base, MoeTrainConfig(router="switch", capacity_factor=0), "--capacity must be > 0"),
+           # a setting the chosen router has no use for is refused, not ignored
+           (base, MoeTrainConfig(router="switch", bias_speed=0.1), "--bias-speed applies to --router deepseek, not switch"),
+           (base, MoeTrainConfig(router="gshard", top_k=3), "--top-k applies to --router deepseek, not gshard"),
+           (base, MoeTrainConfig(router="deepseek", capacity_factor=2.0), "--capacity applies to --router switch / gshard"),
+           (base, MoeTrainConfig(router="dense", experts=8), "--experts applies to upcycling, not to --router dense"),
+           (first, MoeTrainConfig(router="gshard", experts=8), "--experts applies to upcycling a dense base"),
            (tmp_path / "missing", MoeTrainConfig(), "not a checkpoint directory")]
     if not torch.cuda.is_available():
         bad.append((base, MoeTrainConfig(router="switch", device="cuda"), "no CUDA device is available"))
@@ -280,8 +287,8 @@ def test_train_moe_reads_and_writes_the_other_layouts(corpus: tuple[Path, Path],
         router, arch, moved = "deepseek", "DeepseekV3ForCausalLM", "model.layers.0.mlp.gate.e_score_correction_bias"
     before = load_file(src / "model.safetensors")[moved].clone()
     out = tmp_path / "out"
-    train_moe(src, data, out, MoeTrainConfig(router=router, steps=3, seq_len=16, lr=3e-3, bias_speed=0.01,
-                                             log_every=100), log=lambda _: None)
+    train_moe(src, data, out, MoeTrainConfig(router=router, steps=3, seq_len=16, lr=3e-3, log_every=100,
+                                             bias_speed=0.01 if router == "deepseek" else None), log=lambda _: None)
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == arch
     assert not torch.equal(load_file(out / "model.safetensors")[moved], before)
 
