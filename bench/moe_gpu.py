@@ -25,10 +25,6 @@ from typing import Any
 
 from chorus.clients.local import markdown_table
 
-SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "vocab_size": 49152}
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512}
 WORDS = ("the a one two three four five six seven eight nine ten apples pears cost each dollars sold bought gave "
          "half twice more less than total how many did she he they have left after week day store friends").split()
 
@@ -116,7 +112,9 @@ def main(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu, or on the GPU machine")
         return 2
-    shape = TINY if args.tiny else SMOLLM2
+    from chorus.bench.gpu import SHAPES, TINY  # the engine benchmark's shapes (imports torch: here, not at --help)
+
+    shape = TINY if args.tiny else {k: v for k, v in SHAPES["SmolLM2-135M"].items() if k != "family"}
     print(f"device {device}" + (f" ({torch.cuda.get_device_name(0)})" if device == "cuda" else "")
           + f", torch {torch.__version__}")
     rows = layout_checks(shape, device)

@@ -133,6 +133,11 @@ def save_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_manifest(out, manifest)
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """The manifest prepared models have: ``manifest`` plus the files beside it and their sizes."""
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
     (out / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2))
 

@@ -46,6 +46,7 @@ from chorus.engines.families.checkpoint import (
     save_checkpoint,
 )
 from chorus.engines.families.metric import Metric
+from chorus.engines.families.moe_routing import LAYOUTS
 from chorus.engines.families.observer import FamilyObserver
 from chorus.errors import BuildError
 
@@ -82,8 +83,8 @@ class UpcycleConfig:
             raise BuildError(f"--router must be random or hidden (got {self.router!r})")
         if self.noise < 0:
             raise BuildError(f"--noise must be >= 0 (got {self.noise})")
-        if self.layout not in ("mixtral", "qwen2_moe", "deepseek_v3"):
-            raise BuildError(f"--layout must be mixtral, qwen2_moe or deepseek_v3 (got {self.layout!r})")
+        if self.layout not in LAYOUTS:
+            raise BuildError(f"--layout must be {', '.join(LAYOUTS[:-1])} or {LAYOUTS[-1]} (got {self.layout!r})")
         if self.shared_expert and self.layout == "deepseek_v3":
             raise BuildError("--shared-expert selects the qwen2_moe layout; it does not combine with deepseek_v3")
 
@@ -182,26 +183,21 @@ def moe_tensors(base: Base, cfg: UpcycleConfig, routers: list[torch.Tensor] | No
             router = routers[i].to(gate.dtype)
         else:
             router = torch.randn(cfg.experts, hidden, generator=gen, dtype=gate.dtype) * 0.02
-        if cfg.kind == "deepseek_v3":
+        if cfg.kind in ("qwen2_moe", "deepseek_v3"):  # a shared expert next to routed ones: each half the MLP
             tensors[pre + "mlp.gate.weight"] = router
-            tensors[pre + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.experts, dtype=torch.float32)
-            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                tensors[pre + f"mlp.shared_experts.{proj}.weight"] = w * 0.5 if proj == "down_proj" else w
+            if cfg.kind == "deepseek_v3":  # ungated shared expert: its down projection carries the half
+                tensors[pre + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.experts, dtype=torch.float32)
+                shared, shared_down = "mlp.shared_experts", down * 0.5
+            else:  # the shared gate starts at 0: sigmoid = 1/2
+                tensors[pre + "mlp.shared_expert_gate.weight"] = torch.zeros(1, hidden, dtype=gate.dtype)
+                shared, shared_down = "mlp.shared_expert", down
+            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", shared_down)):
+                tensors[pre + f"{shared}.{proj}.weight"] = w
             for e in range(cfg.experts):
                 ex = pre + f"mlp.experts.{e}."
                 tensors[ex + "gate_proj.weight"] = _noisy(gate, cfg.noise, gen)
                 tensors[ex + "up_proj.weight"] = _noisy(up, cfg.noise, gen)
-                tensors[ex + "down_proj.weight"] = _noisy(down, cfg.noise, gen) * 0.5  # 1/2 shared + 1/2 routed
-        elif cfg.kind == "qwen2_moe":
-            tensors[pre + "mlp.gate.weight"] = router
-            tensors[pre + "mlp.shared_expert_gate.weight"] = torch.zeros(1, hidden, dtype=gate.dtype)
-            for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                tensors[pre + f"mlp.shared_expert.{proj}.weight"] = w
-            for e in range(cfg.experts):
-                ex = pre + f"mlp.experts.{e}."
-                tensors[ex + "gate_proj.weight"] = _noisy(gate, cfg.noise, gen)
-                tensors[ex + "up_proj.weight"] = _noisy(up, cfg.noise, gen)
-                tensors[ex + "down_proj.weight"] = _noisy(down, cfg.noise, gen) * 0.5  # shared gate starts at 1/2
+                tensors[ex + "down_proj.weight"] = _noisy(down, cfg.noise, gen) * 0.5  # the routed half
         else:
             tensors[pre + "block_sparse_moe.gate.weight"] = router
             for e in range(cfg.experts):
@@ -229,6 +225,11 @@ def upcycle(base_dir: Path | str, out: Path | str, cfg: UpcycleConfig, *, force:
     return out
 
 
+def is_moe_block(module: Any) -> bool:
+    """A transformers MoE block: a router ``gate`` next to its ``experts`` (Mixtral, Qwen2-MoE, DeepSeek, ...)."""
+    return hasattr(module, "gate") and hasattr(module, "experts")
+
+
 class ExpertLoad(FamilyObserver):
     """Counts tokens routed to each expert per layer, from forward hooks on the model's routers.
 
@@ -241,7 +242,7 @@ class ExpertLoad(FamilyObserver):
     def __init__(self, model: Any) -> None:
         cfg = model.config.get_text_config()
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 1))
-        self.routers = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.routers = [m.gate for m in model.modules() if is_moe_block(m)]
         self.layers = len(self.routers)
         self.experts = int(getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)
                            or getattr(cfg, "n_routed_experts", 0))
@@ -251,7 +252,7 @@ class ExpertLoad(FamilyObserver):
 
     @staticmethod
     def applies_to(model: torch.nn.Module) -> bool:
-        return any(hasattr(m, "gate") and hasattr(m, "experts") for m in model.modules())
+        return any(is_moe_block(m) for m in model.modules())
 
     def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, tuple):  # (logits, weights, indices) routers

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chorus.engines.families.moe import is_moe_block
 from chorus.engines.families.moe_routing import ROUTERS, LayoutRule, Router, Routing
 from chorus.errors import BuildError
 
@@ -69,7 +70,7 @@ class MoELayer(nn.Module):
 
 def decoder_blocks(model: Any) -> list[Any]:
     """The decoder layers whose ``mlp`` is an MoE block (a router ``gate`` and ``experts``)."""
-    layers = [layer for layer in model.model.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    layers = [layer for layer in model.model.layers if is_moe_block(layer.mlp)]
     if not layers:
         raise BuildError("the model has no MoE blocks to train")
     return layers

@@ -140,9 +140,8 @@ class Router(nn.Module):
         idx = self.select(scores)
         weights = self.weigh(scores, idx, logits.dtype)
         counts = counts_of(idx, self.experts)
-        zero = logits.new_zeros(())
         if not self.training:
-            return Routing(idx, weights, zero, counts, 0)
+            return Routing(idx, weights, logits.new_zeros(()), counts, 0)
         return self.train_routing(logits, scores, idx, weights, counts)
 
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +199,7 @@ class SwitchRouter(Router):
 
     def train_routing(self, logits: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                       counts: torch.Tensor) -> Routing:
-        probs = scores if self.rule.layout != "deepseek_v3" else torch.softmax(logits.float(), -1)
-        aux = self.aux_weight * switch_aux_loss(probs, nn.functional.one_hot(idx[:, 0], self.experts))
+        aux = self.aux_weight * switch_aux_loss(scores, nn.functional.one_hot(idx[:, 0], self.experts))
         aux = aux + self.z_weight * router_z_loss(logits)
         capacity = capacity_of(self.capacity_factor, idx.shape[0] * idx.shape[1], self.experts)
         idx, weights, dropped = capacity_limit(idx, weights, self.experts, capacity)

@@ -15,7 +15,6 @@ manifest holding the run's summary (losses, expert loads, dropped share), atomic
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,7 +25,13 @@ from typing import Any
 import torch
 
 from chorus.engines.families.balance import load_stats
-from chorus.engines.families.checkpoint import MANIFEST, atomic_output, check_new_dir, copy_tokenizer, read_config
+from chorus.engines.families.checkpoint import (
+    atomic_output,
+    check_new_dir,
+    copy_tokenizer,
+    read_config,
+    write_manifest,
+)
 from chorus.engines.families.moe import UpcycleConfig, upcycle
 from chorus.engines.families.moe_layer import MoELayer, unwrap_all, wrap_all
 from chorus.engines.families.moe_routing import DEFAULT_LAYOUT, ROUTERS
@@ -153,6 +158,7 @@ def train_moe(base: Path | str, data: Path | str, out: Path | str, tc: MoeTrainC
     model.to(device)
     layers = None if tc.router == "dense" else wrap_all(model, tc.router, **tc.router_settings())
     params = _trainable(model, layers)
+    n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0, fused=True)  # fused: one kernel, CPU or GPU
 
     def lm_loss(batch: torch.Tensor) -> torch.Tensor:  # training: the mean over every token of the batch
@@ -180,7 +186,7 @@ def train_moe(base: Path | str, data: Path | str, out: Path | str, tc: MoeTrainC
     dropped = decisions = 0
     aux_total = 0.0
     log(f"training {tc.router}: {len(train)} sequences of {tc.seq_len} tokens, "
-        f"{sum(p.numel() for p in params):,} trainable parameters; held-out loss {before:.4f}")
+        f"{n_params:,} trainable parameters; held-out loss {before:.4f}")
     gen = torch.Generator().manual_seed(tc.seed)
     t0 = time.perf_counter()
     model.train()
@@ -215,8 +221,8 @@ def train_moe(base: Path | str, data: Path | str, out: Path | str, tc: MoeTrainC
                                "held_out_sequences": len(held), "held_out_losses": [round(x, 5) for x in after_each],
                                "steps": tc.steps, "seconds": round(seconds, 1),
                                "train_tokens_per_s": round(tc.steps * tc.batch_size * (tc.seq_len - 1) / seconds, 1),
-                               "trainable_parameters": sum(p.numel() for p in params), "data": str(data),
-                               "train": {k: v for k, v in asdict(tc).items()}}
+                               "trainable_parameters": n_params, "data": str(data),
+                               "train": asdict(tc)}
     if layers:
         summary.update(load=load_stats(loads), loads=loads.tolist(), aux_loss_mean=round(aux_total / tc.steps, 5),
                        dropped_share=round(dropped / max(1, decisions), 4))
@@ -231,9 +237,7 @@ def train_moe(base: Path | str, data: Path | str, out: Path | str, tc: MoeTrainC
     with atomic_output(out, force) as tmp:
         model.save_pretrained(tmp)
         copy_tokenizer(base, tmp)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {"family": "moe" if layers else "dense", "base": str(base), "training": summary, "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        write_manifest(tmp, {"family": "moe" if layers else "dense", "base": str(base), "training": summary})
     log(f"held-out loss {before:.4f} -> {after:.4f}"
         + (f"; load cv {summary['load']['cv']}, max/min {summary['load']['max_min']}, dropped "
            f"{summary['dropped_share']:.2%}" if layers else "") + f"; saved to {out}")
