@@ -320,6 +320,7 @@ class BatchRunner:
             s.length = new_t
             s.joined = True
         self.rows.extend(job.sessions)
+        self.observer.joined(job.sessions)
 
     def _drop_closed(self) -> None:
         keep = [i for i, s in enumerate(self.rows) if not s.closed]

@@ -116,7 +116,7 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
 
 def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None],
                      models: dict[str, ModelSpec]) -> Path:
-    """Build a derived checkpoint (MoE upcycle, graft, MoDr retrofit) from its base, preparing the base first."""
+    """Build a derived checkpoint (MoE upcycle, graft, MoDr / ReasonFormer retrofit) from its base, preparing the base first."""
     from chorus.errors import BuildError
 
     derive = spec.derive
@@ -157,6 +157,10 @@ def _build(family: str, base_dir: Path, out: Path, options: dict, log: Callable[
         from chorus.engines.families.graft import GraftConfig, graft
 
         graft(base_dir, out, GraftConfig(**options), force=True, log=log)
+    elif family == "reasonformer":
+        from chorus.engines.families.reasonformer import build_retrofit as build_reasonformer
+
+        build_reasonformer(base_dir, out, options, force=True, log=log)
     else:
         from chorus.engines.families.modr import build_retrofit
 

@@ -62,11 +62,14 @@ class DeriveSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    family: Literal["moe", "graft", "modr"] = Field(description="moe: sparse upcycling; graft: SOLAR depth "
-                                                    "up-scaling; modr: recurrent depth with routed LoRA branches")
+    family: Literal["moe", "graft", "modr", "reasonformer"] = Field(
+        description="moe: sparse upcycling; graft: SOLAR depth up-scaling; modr: recurrent depth with routed LoRA "
+                    "branches; reasonformer: skill-routed reasoning steps with a stop gate")
     base: str = Field(description="a model of this config (its prepared checkpoint) or a checkpoint directory")
     #: the builder's settings: moe {experts, top_k, shared_expert, router, noise, seed}; graft {drop};
-    #: modr {prelude, core, coda, branches, rank, alpha, recurrence, max_recurrence, kv_share}
+    #: modr {prelude, core, coda, branches, rank, alpha, recurrence, max_recurrence, kv_share};
+    #: reasonformer {representation, block, coda, skills, kind, rank, adapter_rank, alpha, top_k, max_steps,
+    #: stop_threshold, router_dim, router_heads}
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -99,7 +102,7 @@ class ModelSpec(BaseModel):
     fake: dict[str, Any] = Field(default_factory=dict)
     #: ``engine: remote``: OpenAI-compatible servers (vLLM, chorus worker, ...) holding this model
     remote: RemoteSpec | None = None
-    #: built at prepare time from another model (MoE upcycling, grafting, MoDr retrofit)
+    #: built at prepare time from another model (MoE upcycling, grafting, MoDr / ReasonFormer retrofit)
     derive: DeriveSpec | None = None
     #: MoDr serving settings that override the checkpoint's (recurrence, max_recurrence, kv_share)
     modr: dict[str, Any] = Field(default_factory=dict)

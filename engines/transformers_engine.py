@@ -24,11 +24,14 @@ CPU_CONTEXT_CAP = 4096
 
 
 def observer_for(model: torch.nn.Module) -> FamilyObserver:
-    """The observer of a model's family: MoDr routing, MoE expert load, or the dense default."""
+    """The observer of a model's family: MoDr routing, ReasonFormer skills, MoE expert load, or the dense default."""
     from chorus.engines.families.modr import MoDrModel, RoutingObserver  # lazily: torch modules of the families
+    from chorus.engines.families.reasonformer import ReasonFormerModel, ReasonObserver
 
     if isinstance(model, MoDrModel):
         return RoutingObserver(model)
+    if isinstance(model, ReasonFormerModel):
+        return ReasonObserver(model)
     from chorus.engines.families.moe import ExpertLoad
 
     return ExpertLoad(model) if ExpertLoad.applies_to(model) else DenseObserver()
@@ -88,6 +91,7 @@ class TransformersEngine(SessionEngine):
         if spec.device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineUnavailable(f"model {spec.name!r} asks for {spec.device} but CUDA is not available")
         from chorus.engines.families.modr import is_modr_dir, load_modr
+        from chorus.engines.families.reasonformer import is_reasonformer_dir, load_reasonformer
 
         t0 = time.perf_counter()
         model: Any
@@ -95,6 +99,9 @@ class TransformersEngine(SessionEngine):
         if is_modr_dir(path):
             model = load_modr(path, DTYPES[spec.dtype], **spec.modr)
             tok_dir = model.cfg.base  # its base's tokenizer (the MoDr config.json is not a transformers config)
+        elif is_reasonformer_dir(path):
+            model = load_reasonformer(path, DTYPES[spec.dtype])
+            tok_dir = model.cfg.base
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
             tok_dir = path

@@ -36,9 +36,11 @@ class EngineCollector(Collector):
                 fam = families.setdefault(stat, GaugeMetricFamily(f"chorus_engine_{stat}", f"engine stat {stat}",
                                                                   labels=["model"]))
                 fam.add_metric([name], float(value))
-            # model-family counters (MoE expert load, MoDr branch usage), kept by the engine since start-up
+            # model-family metrics (MoE expert load, MoDr branch usage, ReasonFormer skill weights), kept by the
+            # engine since start-up: a name ending in _total is a counter, any other (a running sum) a gauge
             for metric, doc, labels, samples in engine.family_metrics():
-                cfam = families.setdefault(metric, CounterMetricFamily(metric, doc, labels=["model", *labels]))
+                kind = CounterMetricFamily if metric.endswith("_total") else GaugeMetricFamily
+                cfam = families.setdefault(metric, kind(metric, doc, labels=["model", *labels]))
                 for values, value in samples:
                     cfam.add_metric([name, *values], value)
         yield from families.values()

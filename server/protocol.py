@@ -65,8 +65,11 @@ class _Sampling(BaseModel):
     recurrence: int | None = Field(default=None, description="extension, MoDr models: recurrence steps per token")
     exit: dict[str, Any] | None = Field(
         default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
+    max_steps: int | None = Field(default=None, description="extension, ReasonFormer models: reasoning steps cap")
+    stop_threshold: float | None = Field(
+        default=None, description="extension, ReasonFormer models: a step whose stop gate is below it ends the cascade")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
-                        "(MoE expert load, MoDr branch and steps per token)")
+                        "(MoE expert load, MoDr branch and steps per token, ReasonFormer skills and depth)")
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], as OpenAI
     #: structured outputs (server/structured.py): ``response_format`` / ``structured_outputs``, parsed
     _constraint: Constraint | None = PrivateAttr(default=None)
@@ -125,7 +128,9 @@ class _Sampling(BaseModel):
     @property
     def family_options(self) -> dict[str, Any]:
         """Model-family options for the engine (only those the request set)."""
-        return {k: v for k, v in (("recurrence", self.recurrence), ("exit", self.exit)) if v is not None}
+        pairs = (("recurrence", self.recurrence), ("exit", self.exit), ("max_steps", self.max_steps),
+                 ("stop_threshold", self.stop_threshold))
+        return {k: v for k, v in pairs if v is not None}
 
     @property
     def include_usage(self) -> bool:

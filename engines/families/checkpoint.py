@@ -136,6 +136,54 @@ def save_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     write_manifest(out, manifest)
 
 
+def load_llama_model(path: Path | str, what: str, dtype: torch.dtype = torch.float32) -> Any:
+    """A Llama-architecture checkpoint as a transformers model (eval mode, sdpa attention), for the families
+    built over a frozen base (MoDr, ReasonFormer); ``what`` names the family in the error."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path).expanduser()
+    check_llama(read_config(path), path, what)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def save_over_base(out: Path, *, family: str, model_type: str, cfg: dict[str, Any], base_config: Any,
+                   tensors: dict[str, torch.Tensor], weights: str, extra: dict[str, Any] | None = None) -> None:
+    """A checkpoint of trained pieces over a frozen base (MoDr, ReasonFormer) into ``out`` (an existing empty
+    directory): ``weights`` (safetensors), ``config.json`` (``model_type``, the family's settings under
+    ``family``, the base reference), the base's tokenizer files and the manifest."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(out / weights),
+              metadata={"format": "pt"})
+    base = Path(cfg["base"])
+    config = {"model_type": model_type, family: cfg, "base": str(base), "base_model_type": base_config.model_type,
+              "hidden_size": base_config.hidden_size, "vocab_size": base_config.vocab_size, **(extra or {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if base.is_dir():
+        copy_tokenizer(base, out)
+    write_manifest(out, {"family": family, "base": str(base)})
+
+
+def load_over_base(path: Path | str, *, model_type: str, what: str,
+                   dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], Path, Any]:
+    """The parts of a `save_over_base` checkpoint: its config.json, the base directory and the base model
+    (``what`` names the family in errors)."""
+    path = Path(path).expanduser()
+    config = read_config(path)
+    if config.get("model_type") != model_type:
+        raise BuildError(f"{path} is not a {what} checkpoint (model_type {config.get('model_type')!r})")
+    base_dir = Path(config["base"])
+    if not base_dir.is_absolute():
+        base_dir = (path / base_dir).resolve()
+    if not (base_dir / "config.json").is_file():
+        raise BuildError(f"{path}: its base checkpoint {base_dir} is missing")
+    base = load_llama_model(base_dir, what, dtype)
+    if base.config.hidden_size != config.get("hidden_size", base.config.hidden_size):
+        raise BuildError(f"{path}: base {base_dir} has hidden size {base.config.hidden_size}, "
+                         f"the {what} weights were built for {config['hidden_size']}")
+    return config, base_dir, base
+
+
 def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     """The manifest prepared models have: ``manifest`` plus the files beside it and their sizes."""
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}

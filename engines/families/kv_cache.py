@@ -89,3 +89,86 @@ class GrowingCache(DynamicCache):
 def cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> GrowingCache:
     """A cache holding copies of the given (keys, values) per layer, each in a buffer with room to grow."""
     return GrowingCache([GrowingLayer(k, v) for k, v in layers])
+
+
+class StepSlots:
+    """A cache with one slot per (layer, step) for a model that runs a block of layers several times
+    (MoDr's recurrent core, ReasonFormer's reasoning steps): the layers' view of it. Maps a layer call to
+    a slot, appends once per forward, then overwrites.
+
+    Slot layout: the fixed layers (prelude / representation, then coda), then the ``n_core`` repeated
+    layers of step 0, step 1, ... New step slots on a cache that already holds tokens start as a copy
+    of the latest step ("latest" lookup).
+    """
+
+    def __init__(self, cache: Any, n_pre: int, n_coda: int, n_core: int) -> None:
+        self.cache = cache
+        self.n_pre, self.n_coda, self.n_core = n_pre, n_coda, n_core
+        self.written: set[int] = set()
+        self.peek = False
+
+    def core_slot(self, step_slot: int, i: int) -> int:
+        return self.n_pre + self.n_coda + step_slot * self.n_core + i
+
+    def steps_held(self) -> int:
+        return step_slots(self.cache.layers, self.n_pre + self.n_coda, self.n_core)
+
+    def ensure_steps(self, n: int) -> None:
+        layers = self.cache.layers
+        while len(layers) < self.n_pre + self.n_coda:
+            layers.append(GrowingLayer())
+        grow_steps(layers, self.n_pre + self.n_coda, self.n_core, n)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.cache.layers[idx]
+        if self.peek:  # exit probe through the coda: read the cache, write nothing
+            if not layer.is_initialized:
+                return k, v
+            return torch.cat([layer.keys, k], -2), torch.cat([layer.values, v], -2)
+        if idx in self.written:
+            return layer.overwrite_tail(k, v)
+        self.written.add(idx)
+        return layer.update(k, v)
+
+    def pad_unwritten(self, last_written: int, n_new: int) -> None:
+        """Step slots this forward did not reach (no row ran that step): append the ``last_written`` step's
+        new columns, so every cache layer keeps the same length."""
+        for step in range(self.steps_held()):
+            for i in range(self.n_core):
+                idx = self.core_slot(step, i)
+                if idx not in self.written:
+                    src = self.cache.layers[self.core_slot(last_written, i)]
+                    self.cache.layers[idx].update(src.keys[:, :, -n_new:].clone(), src.values[:, :, -n_new:].clone())
+                    self.written.add(idx)
+
+    def copy_tail(self, dst: int, src: int, rows: torch.Tensor, n: int) -> None:
+        d, s = self.cache.layers[dst], self.cache.layers[src]
+        d.keys[rows, :, -n:] = s.keys[rows, :, -n:]
+        d.values[rows, :, -n:] = s.values[rows, :, -n:]
+
+
+def step_slots(layers: list[Any], fixed: int, core: int) -> int:
+    """Step slots held by a `StepSlots` cache: the ``fixed`` layers first, then ``core`` per step."""
+    return max(0, (len(layers) - fixed) // core)
+
+
+def grow_steps(layers: list[Any], fixed: int, core: int, steps: int) -> list[Any]:
+    """Append step slots up to ``steps``; a new slot starts as a copy of the latest step's K/V (Huginn's
+    "latest" lookup for tokens that never ran it), or empty when there is none yet."""
+    for step in range(step_slots(layers, fixed, core), steps):
+        for i in range(core):
+            src = layers[fixed + (step - 1) * core + i] if step > 0 else None
+            layers.append(GrowingLayer(src.keys, src.values) if src is not None and src.is_initialized
+                          else GrowingLayer())
+    return layers
+
+
+def run_layers(layers: Any, x: torch.Tensor, slots: list[int] | None, cache: StepSlots | None,
+               mask: torch.Tensor | None, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Run transformers decoder layers in turn, layer i reading and writing cache slot ``slots[i]``."""
+    layer: Any  # a transformers decoder layer
+    for i, layer in enumerate(layers):
+        if slots is not None:
+            layer.self_attn.layer_idx = slots[i]
+        x = layer(x, attention_mask=mask, position_ids=pos, cache=cache, position_embeddings=rope)
+    return x

@@ -289,7 +289,7 @@ class ExpertLoad(FamilyObserver):
 
     def metrics(self) -> list[Metric]:
         samples = [([str(l), str(e)], float(self.totals[l, e])) for l in range(self.layers) for e in range(self.experts)]
-        return [("chorus_moe_expert_tokens", "Tokens routed to each expert, per MoE layer (top-k: k per token)",
+        return [("chorus_moe_expert_tokens_total", "Tokens routed to each expert, per MoE layer (top-k: k per token)",
                  ["layer", "expert"], samples)]
 
     def close(self) -> None:

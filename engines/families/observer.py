@@ -1,9 +1,9 @@
 """How a model family plugs into the batching engine: one small interface, no attribute probing.
 
 The batching runner calls ``before`` / ``after`` around every forward (on the forward thread) and
-``match_caches`` when two sequences' caches must be joined; the engine asks ``check_options`` about
-a request's family options, ``trace`` for a response's ``trace`` object and ``metrics`` for
-Prometheus. `DenseObserver` is the plain model's: no options, nothing to observe. The engine picks
+``match_caches`` when two sequences' caches must be joined (``joined`` after); the engine asks
+``check_options`` about a request's family options, ``trace`` for a response's ``trace`` object and
+``metrics`` for Prometheus. `DenseObserver` is the plain model's: no options, nothing to observe. The engine picks
 a model's observer (``chorus.engines.transformers_engine.observer_for``).
 """
 
@@ -14,22 +14,35 @@ from typing import Any
 from chorus.engines.families.metric import Metric
 from chorus.errors import InvalidRequest
 
+#: the request options a model family takes, and the family that takes them
+FAMILY_OPTIONS = {"recurrence": "MoDr", "exit": "MoDr", "max_steps": "ReasonFormer", "stop_threshold": "ReasonFormer"}
+
+
+def refuse_foreign(options: dict[str, Any], takes: tuple[str, ...], model: str) -> None:
+    """400 naming the first of ``options`` that ``model`` does not take (``takes``) and the family that does."""
+    for name in sorted(set(options) - set(takes)):
+        family = FAMILY_OPTIONS.get(name)
+        raise InvalidRequest(f"'{name}' applies to {family + ' models' if family else 'no model'} only; {model!r} "
+                             f"is not one.", param=name)
+
 
 class FamilyObserver:
     """The interface; every method has the dense model's behaviour."""
 
     def check_options(self, options: dict[str, Any], model: str) -> None:
-        """A request's model-family options (``recurrence``, ``exit``) for the model named ``model``: 400
-        naming the first one it does not take."""
-        if options:
-            name = sorted(options)[0]
-            raise InvalidRequest(f"'{name}' applies to MoDr models only; {model!r} is not one.", param=name)
+        """A request's model-family options (MoDr's ``recurrence``, ``exit``; ReasonFormer's ``max_steps``,
+        ``stop_threshold``) for the model named ``model``: 400 naming the first one it does not take."""
+        refuse_foreign(options, (), model)
 
     def before(self, rows: list[Any]) -> None:
         """Before a forward: ``rows[b]`` is the session batch row b serves (None: padding)."""
 
     def after(self, rows: list[Any], lens: list[int], width: int) -> None:
         """After a forward: row b's real tokens were its first ``lens[b]`` of ``width`` positions."""
+
+    def joined(self, sessions: list[Any]) -> None:
+        """A prefill's sessions (the n choices of one prompt) joined the batch; the first stood for all
+        in the prefill forwards (``before`` / ``after``)."""
 
     def match_caches(self, a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
         """Two caches' layers made joinable (same number of layers); dense caches already are."""

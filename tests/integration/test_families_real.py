@@ -1,4 +1,5 @@
-"""The model families of the default config (smollm2-moe, smollm2-modr) on the real SmolLM2, via the openai SDK."""
+"""The model families of the default config (smollm2-moe, smollm2-modr, smollm2-reasonformer) on the real SmolLM2,
+via the openai SDK."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from chorus.config import ChorusConfig
 from chorus.engines.families.modr import load_modr
+from chorus.engines.families.reasonformer import load_reasonformer
 from tests.conftest import LiveServer
 from tests.integration.conftest import SMOL
 
 pytestmark = pytest.mark.integration
 
-MOE, MODR = "smollm2-moe", "smollm2-modr"
+MOE, MODR, RF = "smollm2-moe", "smollm2-modr", "smollm2-reasonformer"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -29,21 +31,25 @@ def test_prepared_family_checkpoints_reproduce_the_dense_model(default_config: C
     dense = AutoModelForCausalLM.from_pretrained(dense_dir).eval()
     moe = AutoModelForCausalLM.from_pretrained(default_config.model(MOE).checkpoint_dir()).eval()
     modr = load_modr(default_config.model(MODR).checkpoint_dir())
+    rf = load_reasonformer(default_config.model(RF).checkpoint_dir())
     with torch.no_grad():
         want = dense(ids).logits
         assert (moe(ids).logits - want).abs().max() < 1e-4
         assert (modr(ids, recurrence=1).logits - want).abs().max() < 1e-4
+        assert (rf(ids, max_steps=1).logits - want).abs().max() < 1e-4  # one step, fresh skills: the base
+        assert (rf(ids).logits - want).abs().max() < 1e-4  # fresh gates are closed: it stops after step 1
+    assert (rf.cfg.representation, rf.cfg.block, rf.cfg.coda, rf.cfg.top_k) == ((0, 12), (12, 18), (18, 30), 2)
     assert type(moe).__name__ == "MixtralForCausalLM" and moe.config.num_local_experts == 4
     assert (modr.cfg.prelude, modr.cfg.core, modr.cfg.coda, modr.cfg.branches) == ((0, 6), (6, 24), (24, 30), 4)
 
 
 def test_families_listed_and_answer_like_the_dense_model(sdk: openai.OpenAI) -> None:
     ids = {m.id for m in sdk.models.list()}
-    assert {MOE, MODR, "families-default"} <= ids
+    assert {MOE, MODR, RF, "families-default"} <= ids
     want = sdk.chat.completions.create(model=SMOL, messages=ASK, temperature=0, max_tokens=16).choices[0].message.content
-    for model in (MOE, MODR, "families-default"):
+    for model in (MOE, MODR, RF, "families-default"):
         got = sdk.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=16)
-        assert got.choices[0].message.content == want, model  # all three share SmolLM2's function and vocabulary
+        assert got.choices[0].message.content == want, model  # all share SmolLM2's function and vocabulary
 
 
 def test_moe_trace_and_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> None:
@@ -85,6 +91,11 @@ def test_modr_trace_streams_on_the_last_chunk(sdk: openai.OpenAI) -> None:
     (MODR, {"exit": {"kl": "small"}}, "exit"),
     (SMOL, {"recurrence": 2}, "recurrence"),
     (MOE, {"exit": {"kl": 1e-3}}, "exit"),
+    (RF, {"max_steps": 4}, "max_steps"),
+    (RF, {"stop_threshold": -0.1}, "stop_threshold"),
+    (RF, {"recurrence": 2}, "recurrence"),
+    (MODR, {"stop_threshold": 0.3}, "stop_threshold"),
+    (SMOL, {"max_steps": 2}, "max_steps"),
 ])
 def test_family_options_refused_with_400(sdk: openai.OpenAI, model: str, body: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
@@ -97,6 +108,26 @@ def test_modr_branch_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> Non
     text = httpx.get(real_server.url + "/metrics").text
     assert f'chorus_modr_branch_selections_total{{branch="0",model="{MODR}"}}' in text
     assert f'chorus_modr_decoded_tokens_total{{model="{MODR}"}}' in text
+
+
+def test_reasonformer_depth_trace_and_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> None:
+    """Per request: threshold 0 runs every step up to max_steps, the default threshold stops the fresh gates after
+    step 1; the trace gives each step's skill weights, the depth and the gate; Prometheus counts both."""
+    r = sdk.chat.completions.create(model=RF, messages=ASK, temperature=0, max_tokens=4, n=2,
+                                    extra_body={"max_steps": 2, "stop_threshold": 0.0, "trace": True})
+    rf = r.model_extra["trace"]["reasonformer"]
+    assert rf["max_steps"] == 2 and rf["stop_threshold"] == 0.0 and len(rf["choices"]) == 2
+    for choice in rf["choices"]:
+        assert choice["depth"] == 2 and choice["stop_gate"] is None
+        assert [len(s["skills"]) for s in choice["steps"]] == [2, 2]  # top-2
+        assert all(abs(sum(s["skills"].values()) - 1) < 1e-3 for s in choice["steps"])
+        assert set(choice["steps"][0]["skills"]) <= {"math", "science", "commonsense", "general"}
+    d = sdk.chat.completions.create(model=RF, messages=ASK, temperature=0, max_tokens=4, extra_body={"trace": True})
+    default = d.model_extra["trace"]["reasonformer"]["choices"][0]
+    assert default["depth"] == 1 and 0 < default["stop_gate"] < 0.5
+    text = httpx.get(real_server.url + "/metrics").text
+    assert f'chorus_reasonformer_skill_weight_sum{{model="{RF}",skill="math"}}' in text
+    assert f'chorus_reasonformer_steps_total{{model="{RF}"}}' in text
 
 
 def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: ChorusConfig, tmp_path: Path) -> None:

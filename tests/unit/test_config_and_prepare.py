@@ -14,7 +14,7 @@ from chorus.errors import EngineUnavailable
 def test_packaged_default_config() -> None:
     config = load_config(None)
     assert [m.name for m in config.models if not m.optional] == [
-        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "gemma-3-270m"]
+        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", "gemma-3-270m"]
     opt_in = [m for m in config.models if m.optional]
     assert [m.name for m in opt_in] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
     assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in opt_in)

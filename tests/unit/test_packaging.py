@@ -29,7 +29,8 @@ def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"chorus", f"chorus_gateway-{chorus.__version__}.dist-info"}
-    for layer in ("cli", "bench", "server", "ensembles", "engines", "engines/families", "engines/families/modr", "clients"):
+    for layer in ("cli", "bench", "server", "ensembles", "engines", "engines/families", "engines/families/modr",
+                  "engines/families/reasonformer", "clients"):
         assert f"chorus/{layer}/__init__.py" in names
     assert "chorus/default_config.yaml" in names and "chorus/clients/data/route-sample.jsonl" in names
     entry = zipfile.ZipFile(wheel).read(f"chorus_gateway-{chorus.__version__}.dist-info/entry_points.txt").decode()

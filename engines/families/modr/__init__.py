@@ -39,9 +39,10 @@ reference, layer ranges, branch settings), ``modr.safetensors`` (adapter, router
 and the tokenizer files; the base weights stay in the base directory.
 """
 
+from chorus.engines.families.kv_cache import grow_steps, step_slots
 from chorus.engines.families.modr.checkpoint import build_retrofit, is_modr_dir, load_base_model, load_modr, save_modr
 from chorus.engines.families.modr.config import TARGETS, WEIGHTS, MoDrConfig
-from chorus.engines.families.modr.model import MoDrModel, MoDrOutput, RowControl, RowReport, grow_steps, step_slots
+from chorus.engines.families.modr.model import MoDrModel, MoDrOutput, RowControl, RowReport
 from chorus.engines.families.modr.serving import RoutingObserver, check_options
 
 __all__ = ["TARGETS", "WEIGHTS", "MoDrConfig", "MoDrModel", "MoDrOutput", "RoutingObserver", "RowControl", "RowReport",

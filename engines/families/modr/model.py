@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chorus.engines.families.balance import BiasBalancer, counts_of
-from chorus.engines.families.kv_cache import GrowingLayer
+from chorus.engines.families.kv_cache import StepSlots, run_layers
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.errors import BuildError
 
@@ -134,48 +134,6 @@ class RowReport:
     steps: int = 0
 
 
-class _Slots:
-    """The layers' view of the cache: maps a layer call to a slot, appends once per forward, then overwrites.
-
-    Slot layout: prelude layers, coda layers, then the core layers of step 0, step 1, ... New step
-    slots on a cache that already holds tokens start as a copy of the latest step ("latest" lookup).
-    """
-
-    def __init__(self, cache: Any, n_pre: int, n_coda: int, n_core: int) -> None:
-        self.cache = cache
-        self.n_pre, self.n_coda, self.n_core = n_pre, n_coda, n_core
-        self.written: set[int] = set()
-        self.peek = False
-
-    def core_slot(self, step_slot: int, i: int) -> int:
-        return self.n_pre + self.n_coda + step_slot * self.n_core + i
-
-    def steps_held(self) -> int:
-        return step_slots(self.cache.layers, self.n_pre + self.n_coda, self.n_core)
-
-    def ensure_steps(self, n: int) -> None:
-        layers = self.cache.layers
-        while len(layers) < self.n_pre + self.n_coda:
-            layers.append(GrowingLayer())
-        grow_steps(layers, self.n_pre + self.n_coda, self.n_core, n)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.cache.layers[idx]
-        if self.peek:  # exit probe through the coda: read the cache, write nothing
-            if not layer.is_initialized:
-                return k, v
-            return torch.cat([layer.keys, k], -2), torch.cat([layer.values, v], -2)
-        if idx in self.written:
-            return layer.overwrite_tail(k, v)
-        self.written.add(idx)
-        return layer.update(k, v)
-
-    def copy_tail(self, dst: int, src: int, rows: torch.Tensor, n: int) -> None:
-        d, s = self.cache.layers[dst], self.cache.layers[src]
-        d.keys[rows, :, -n:] = s.keys[rows, :, -n:]
-        d.values[rows, :, -n:] = s.values[rows, :, -n:]
-
-
 @dataclass
 class MoDrOutput:
     logits: torch.Tensor
@@ -280,14 +238,9 @@ class MoDrModel(nn.Module):
         gate = r.gather(1, branch[:, None]).squeeze(1)  # (B,)
         return branch, gate, r
 
-    def _run(self, layers: nn.ModuleList, x: torch.Tensor, slots: list[int] | None, cache: _Slots | None,
+    def _run(self, layers: nn.ModuleList, x: torch.Tensor, slots: list[int] | None, cache: StepSlots | None,
              mask: torch.Tensor | None, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        layer: Any  # a transformers decoder layer
-        for i, layer in enumerate(layers):
-            if slots is not None:
-                layer.self_attn.layer_idx = slots[i]
-            x = layer(x, attention_mask=mask, position_ids=pos, cache=cache, position_embeddings=rope)
-        return x
+        return run_layers(layers, x, slots, cache, mask, pos, rope)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.lm_head(self.base.model.norm(x))
@@ -317,7 +270,7 @@ class MoDrModel(nn.Module):
                                device=input_ids.device)  # (B,), -1 = off
         steps_max = int(rec[valid.any(1)].max()) if bool(valid.any()) else 1
         share = cfg.kv_share
-        slots = _Slots(cache, len(self.prelude), len(self.coda), len(self.core)) if cache is not None else None
+        slots = StepSlots(cache, len(self.prelude), len(self.coda), len(self.core)) if cache is not None else None
         if slots is not None:
             slots.ensure_steps(min(steps_max, share) if share else steps_max)
 
@@ -392,20 +345,13 @@ class MoDrModel(nn.Module):
         branch = torch.argmax(r + self.router_bias, -1)  # (B, L)
         return branch, r.gather(-1, branch[..., None]).squeeze(-1)
 
-    def _fill_late_slots(self, slots: _Slots, used: torch.Tensor, ran: int, n_new: int, share: int | None) -> None:
+    def _fill_late_slots(self, slots: StepSlots, used: torch.Tensor, ran: int, n_new: int, share: int | None) -> None:
         """Tokens that stopped before the last slot: copy their last step's K/V into the later slots.
 
         Slots no row reached in this forward get the last written step's columns appended first, so
         every cache layer keeps the same length."""
         total = slots.steps_held()
-        last_written = (ran - 1) % share if share else ran - 1
-        for step in range(total):
-            for i in range(slots.n_core):
-                idx = slots.core_slot(step, i)
-                if idx not in slots.written:
-                    src = slots.cache.layers[slots.core_slot(last_written, i)]
-                    slots.cache.layers[idx].update(src.keys[:, :, -n_new:].clone(), src.values[:, :, -n_new:].clone())
-                    slots.written.add(idx)
+        slots.pad_unwritten((ran - 1) % share if share else ran - 1, n_new)
         for row in range(used.shape[0]):
             last = int(used[row]) - 1
             if last < 0:
@@ -419,20 +365,3 @@ class MoDrModel(nn.Module):
                 for i in range(slots.n_core):
                     slots.copy_tail(slots.core_slot(dst, i), slots.core_slot(src_step, i), rows, n_new)
 
-    # ---- batching support ----
-
-
-def step_slots(layers: list[Any], fixed: int, core: int) -> int:
-    """Recurrence-step slots held by a MoDr cache: prelude and coda layers first, then ``core`` per step."""
-    return max(0, (len(layers) - fixed) // core)
-
-
-def grow_steps(layers: list[Any], fixed: int, core: int, steps: int) -> list[Any]:
-    """Append step slots up to ``steps``; a new slot starts as a copy of the latest step's K/V (Huginn's
-    "latest" lookup for tokens that never ran it), or empty when there is none yet."""
-    for step in range(step_slots(layers, fixed, core), steps):
-        for i in range(core):
-            src = layers[fixed + (step - 1) * core + i] if step > 0 else None
-            layers.append(GrowingLayer(src.keys, src.values) if src is not None and src.is_initialized
-                          else GrowingLayer())
-    return layers

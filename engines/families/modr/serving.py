@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from chorus.engines.families.kv_cache import grow_steps, step_slots
 from chorus.engines.families.metric import Metric
 from chorus.engines.families.modr.config import MoDrConfig
-from chorus.engines.families.modr.model import MoDrModel, RowControl, grow_steps, step_slots
-from chorus.engines.families.observer import FamilyObserver
+from chorus.engines.families.modr.model import MoDrModel, RowControl
+from chorus.engines.families.observer import FamilyObserver, refuse_foreign
 
 
-def check_options(options: dict[str, Any], cfg: MoDrConfig) -> None:
+def check_options(options: dict[str, Any], cfg: MoDrConfig, model: str = "this model") -> None:
     """A request's ``recurrence`` and ``exit`` (400 with the parameter named when wrong)."""
     from chorus.errors import InvalidRequest
 
+    refuse_foreign(options, ("recurrence", "exit"), model)
     rec = options.get("recurrence")
     if rec is not None and (isinstance(rec, bool) or not isinstance(rec, int) or not 1 <= rec <= cfg.max_recurrence):
         raise InvalidRequest(f"'recurrence' must be an integer from 1 to {cfg.max_recurrence} for this model.",
@@ -40,7 +42,7 @@ class RoutingObserver(FamilyObserver):
         self.tokens_total = 0
 
     def check_options(self, options: dict[str, Any], model: str) -> None:
-        check_options(options, self.model.cfg)
+        check_options(options, self.model.cfg, model)
 
     def match_caches(self, a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
         """Two caches with different numbers of step slots: extend the shorter with its latest step."""
@@ -91,10 +93,10 @@ class RoutingObserver(FamilyObserver):
 
     def metrics(self) -> list[Metric]:
         return [
-            ("chorus_modr_branch_selections", "Routing decisions per MoDr branch (one per token or prompt per step)",
+            ("chorus_modr_branch_selections_total", "Routing decisions per MoDr branch (one per token or prompt per step)",
              ["branch"], [([str(i)], float(c)) for i, c in enumerate(self.branch_totals)]),
-            ("chorus_modr_recurrence_steps", "Recurrence steps run for decoded tokens", [],
+            ("chorus_modr_recurrence_steps_total", "Recurrence steps run for decoded tokens", [],
              [([], float(self.steps_total))]),
-            ("chorus_modr_decoded_tokens", "Tokens decoded (steps / tokens = mean recurrence)", [],
+            ("chorus_modr_decoded_tokens_total", "Tokens decoded (steps / tokens = mean recurrence)", [],
              [([], float(self.tokens_total))]),
         ]
