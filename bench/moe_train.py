@@ -64,7 +64,10 @@ def paired_interval(xs: list[float], ys: list[float]) -> tuple[float, float, flo
     return mean, mean - 1.96 * se, mean + 1.96 * se
 
 
-async def decode_rates(path: Path, tokens: int, streams: int, rounds: int) -> dict[int, float]:
+async def decode_rates(path: Path, tokens: int, streams: int, rounds: int,
+                       options: dict[str, Any] | None = None) -> dict[int, float]:
+    """Decode tokens/s of the checkpoint at ``path`` on chorus's engine, at batch 1 and ``streams``, best of
+    ``rounds``; ``options``: the model family's request options."""
     from chorus.engines.base import GenerationRequest, SamplingParams
     from chorus.engines.spec import ModelSpec
     from chorus.engines.transformers_engine import TransformersEngine
@@ -76,8 +79,8 @@ async def decode_rates(path: Path, tokens: int, streams: int, rounds: int) -> di
         best: dict[int, float] = {}
         for _ in range(rounds):
             for n in (1, streams):
-                reqs = [GenerationRequest(ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-                        for _ in range(n)]
+                reqs = [GenerationRequest(ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+                                          options=dict(options or {})) for _ in range(n)]
                 t0 = time.perf_counter()
                 gens = await asyncio.gather(*(engine.generate(r) for r in reqs))
                 rate = sum(g.completion_tokens for g in gens) / (time.perf_counter() - t0)

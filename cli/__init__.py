@@ -43,6 +43,10 @@ COMMANDS: dict[tuple[str, ...], Command] = {
     ("train", "moe"): Command("train an upcycled MoE model with Switch, GShard or DeepSeek routing (or fine-tune the "
                               "dense base: --router dense)", "chorus.cli.families:train_moe",
                               "chorus.cli.families:train_moe_arguments", config=False),
+    ("train", "reasonformer"): Command("train ReasonFormer's skills, routers and stop gates in two stages "
+                                       "(retrofitting a Llama base, or continuing a checkpoint)",
+                                       "chorus.cli.families:train_reasonformer",
+                                       "chorus.cli.families:train_reasonformer_arguments", config=False),
     ("train", "duma"): Command("train a DUMA multiple-choice scorer (co-attention head, or the baseline head, on "
                                "a fine-tuned encoder)", "chorus.cli.families:train_duma",
                                "chorus.cli.families:train_duma_arguments", config=False),
@@ -67,6 +71,10 @@ COMMANDS: dict[tuple[str, ...], Command] = {
                                     "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
     ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",
                                    "chorus.bench.families:main", "chorus.bench.families:add_arguments"),
+    ("bench", "reasonformer"): Command("ReasonFormer evidence: vs a plain LoRA of the same parameters on the same "
+                                       "data (loss, /v1/choices accuracy, router, depth, decode speed)",
+                                       "chorus.bench.reasonformer:main", "chorus.bench.reasonformer:add_arguments",
+                                       config=False),
     ("bench", "moe-train"): Command("MoE training evidence: dense fine-tune vs Switch / GShard / DeepSeek MoE "
                                     "(held-out loss, load balance, dropped share, serving tok/s)",
                                     "chorus.bench.moe_train:main", "chorus.bench.moe_train:add_arguments", config=False),

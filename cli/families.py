@@ -1,5 +1,5 @@
-"""``chorus upcycle``, ``chorus graft``, ``chorus train modr``, ``chorus train moe`` and ``chorus train duma``: building model-family
-checkpoints."""
+"""``chorus upcycle``, ``chorus graft``, ``chorus train modr``, ``chorus train moe``, ``chorus train duma`` and
+``chorus train reasonformer``: building model-family checkpoints."""
 
 from __future__ import annotations
 
@@ -197,3 +197,64 @@ def train_duma_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--log-every", type=int, default=50)
     d.add_argument("--force", action="store_true")
+
+
+def _skill(text: str) -> tuple[str, str]:
+    name, sep, data = text.partition("=")
+    if not sep or not name or not data:
+        raise argparse.ArgumentTypeError(f"expected NAME=DATA (DATA: a JSONL file, or FILE@START:END), got {text!r}")
+    return name, data
+
+
+def train_reasonformer(args: argparse.Namespace) -> int:
+    from chorus.engines.families.reasonformer.train import TrainConfig
+    from chorus.engines.families.reasonformer.train import train_reasonformer as train
+    from chorus.errors import BuildError
+
+    skills = dict(args.skill)
+    if len(skills) != len(args.skill):
+        return _fail(BuildError(f"a skill is named twice in --skill {[n for n, _ in args.skill]}"))
+    options: dict[str, Any] = {k: getattr(args, k) for k in ("representation", "block", "coda", "kind", "rank",
+                                                              "adapter_rank", "alpha", "max_steps", "stop_threshold")
+                               if getattr(args, k) is not None}
+    if args.top_k is not None:
+        options["top_k"] = None if args.top_k == 0 else args.top_k
+    tc = TrainConfig(stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps, batch_size=args.batch_size,
+                     seq_len=args.seq_len, lr=args.lr, depth_cost=args.depth_cost, eval_rows=args.eval_rows,
+                     seed=args.seed, device=args.device, log_every=args.log_every)
+    try:
+        train(args.base, skills, args.out, tc, options=options, force=args.force)
+    except BuildError as exc:
+        return _fail(exc)
+    return 0
+
+
+def train_reasonformer_arguments(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--base", required=True, help="Llama checkpoint (retrofit) or ReasonFormer checkpoint directory")
+    r.add_argument("--skill", type=_skill, action="append", required=True, metavar="NAME=DATA",
+                   help="a skill and its data, once per skill in order: JSONL (text | question+answer | "
+                        "multiple-choice rows, read as their right answer), or FILE@START:END for a slice of its rows")
+    r.add_argument("--out", required=True)
+    r.add_argument("--stage1-steps", type=int, default=30, help="skill pre-training steps per skill (0: skip)")
+    r.add_argument("--stage2-steps", type=int, default=60, help="joint fine-tuning steps (0: skip)")
+    r.add_argument("--batch-size", type=int, default=4)
+    r.add_argument("--seq-len", type=int, default=128, help="tokens per example (longer ones are cut)")
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--depth-cost", type=float, default=0.01, help="loss per expected extra reasoning step")
+    r.add_argument("--eval-rows", type=int, default=16, help="rows held out at the end of each skill's data")
+    r.add_argument("--representation", type=_range, help="START:END of the base's layers (retrofit; default: the "
+                                                          "first 2/5)")
+    r.add_argument("--block", type=_range, help="START:END: the reasoning block (default: the next 1/5)")
+    r.add_argument("--coda", type=_range)
+    r.add_argument("--kind", choices=["shared", "private"], help="shared: a LoRA per skill + step adapters; "
+                                                                 "private: a LoRA per (skill, step) (default shared)")
+    r.add_argument("--rank", type=int, help="skill LoRA rank (default 8)")
+    r.add_argument("--adapter-rank", type=int, help="shared modules' step-adapter rank (default 4)")
+    r.add_argument("--alpha", type=float, help="LoRA alpha (default 16)")
+    r.add_argument("--top-k", type=int, help="skills run per step (default 2; 0: all)")
+    r.add_argument("--max-steps", type=int, help="reasoning steps (default 3)")
+    r.add_argument("--stop-threshold", type=float, help="served default (default 0.5)")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--log-every", type=int, default=10)
+    r.add_argument("--force", action="store_true")

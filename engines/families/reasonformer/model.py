@@ -206,21 +206,29 @@ class ReasonFormerModel(nn.Module):
         return self.base.lm_head(self.base.model.norm(x))
 
     def _route(self, step: int, state: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k skills of every row and their weights renormalised to sum to 1: (B, k) each."""
+        """The k skills of every row and their weights renormalised to sum to 1: (B, k) each.
+
+        When training, the weights carry a straight-through term ``p - p.detach()`` (value 0) of the chosen
+        skills' unnormalised probabilities: renormalised top-1 weights are always 1 and would teach the
+        router nothing; this way the router's gradient is Switch's (the update times d p_j)."""
         probs = self.routers[step](state, valid)  # (B, n)
-        w, sel = probs.topk(self.cfg.k, -1)
-        return sel, w / w.sum(-1, keepdim=True)
+        p, sel = probs.topk(self.cfg.k, -1)
+        w = p / p.sum(-1, keepdim=True)
+        if torch.is_grad_enabled():
+            w = w.detach() + (p - p.detach())
+        return sel, w
 
     # ---- forward ----
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False,
                 logits_to_keep: int | torch.Tensor = 0, skill: int | torch.Tensor | None = None,
-                max_steps: int | None = None, **_: Any) -> ReasonOutput:
+                max_steps: int | None = None, open_gates: bool = False, **_: Any) -> ReasonOutput:
         """input_ids (B, L); attention_mask: a 4-D boolean (B, 1, L, T+L) mask or None (causal).
 
         In training mode every step runs and the gate soft-stops (scales) later steps; in eval mode a
         row ends its cascade before a step whose gate is below its threshold. ``skill`` fixes the skill
-        (stage-1 training: the router is not used); ``max_steps`` overrides every row's cap."""
+        (stage-1 training: the router is not used); ``max_steps`` overrides every row's cap; ``open_gates``
+        runs every step in full (stage-1 training: each step's adapters learn)."""
         cfg = self.cfg
         b, l = input_ids.shape
         dev = input_ids.device
@@ -258,7 +266,7 @@ class ReasonFormerModel(nn.Module):
         gate_probs = []
         for i in range(steps_max):
             # the gate: step 1 always runs; step i's update is scaled by the product of the gates so far
-            g = self.gates[i - 1](state, valid) if i > 0 and need else ones
+            g = self.gates[i - 1](state, valid) if i > 0 and need and not open_gates else ones
             coef = coef * g
             if bool(is_decided.any()):
                 given = [d.coefs[i] if d is not None and i < d.depth else 1.0 for d in decided]
@@ -287,7 +295,10 @@ class ReasonFormerModel(nn.Module):
                 else:
                     mix = mix + w[:, q, None, None].to(y.dtype) * (y - first)
             assert mix is not None
-            new = torch.lerp(state, mix, coef[:, None, None].to(state.dtype))  # coef 1 gives mix exactly
+            scale = coef
+            if w.requires_grad:  # the straight-through term of `_route` (value 0): the router's gradient
+                scale = coef * (1 + (w - w.detach()).sum(-1))
+            new = torch.lerp(state, mix, scale[:, None, None].to(state.dtype))  # 1 gives mix exactly
             state = torch.where(running[:, None, None], new, state)
             for name, t in (("sel", sel), ("w", w), ("coef", coef), ("run", running)):
                 logs[name].append(t)
