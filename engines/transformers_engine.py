@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -52,9 +53,10 @@ class TransformersEngine(SessionEngine):
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        """A plain (or grafted) model scores the whole prompt in one forward on the runner's thread; model
-        families with an observer (MoE expert load, MoDr routing) step a session through it (the generic way)."""
-        if not isinstance(self.observer, DenseObserver) or len(ids) < 2:
+        """A plain (or grafted) model scores the whole prompt in one forward on the runner's thread, and so
+        does a family that decides per sequence (ReasonFormer: on the whole text); other families (MoE expert
+        load, MoDr routing) step a session through it (the generic way)."""
+        if not (isinstance(self.observer, DenseObserver) or self.observer.decides_on_prompt) or len(ids) < 2:
             return await super().prompt_logprobs(ids, k)
         chosen, top_v, top_i = await self.runner.score(ids, k)
         decode = self.tokenizer.decode
@@ -66,10 +68,31 @@ class TransformersEngine(SessionEngine):
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         """A plain model reads ``prefix`` once: prefix and continuations in one tree-masked forward on the
-        runner's thread; other families (and empty continuations) score each ``prefix + continuation`` whole."""
+        runner's thread; a family that decides on the prompt prefills the prefix once and feeds each
+        continuation after it; other families (and empty continuations) score each ``prefix + continuation``
+        whole."""
+        if self.observer.decides_on_prompt and prefix and all(continuations) \
+                and len(continuations) <= self.runner.max_batch_size:
+            return await self._score_after_prefix(prefix, continuations)
         if not isinstance(self.observer, DenseObserver) or not all(continuations):
             return await super().score_continuations(prefix, continuations)
         return await self.runner.score_continuations(prefix, continuations)
+
+    async def _score_after_prefix(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+        """A family that decides on the prompt (ReasonFormer): as in generation, the prefix is prefilled once
+        (the decision is made on it and shared by its sessions) and each continuation is fed after it."""
+        pairs = await self.prefill_sessions(prefix, len(continuations))
+
+        async def one(session: BatchedSession, first: torch.Tensor, cont: list[int]) -> list[float]:
+            logits = first[None] if len(cont) == 1 else torch.cat([first[None], await session.extend(cont[:-1])])
+            logp = torch.log_softmax(logits.float(), -1)  # (len(cont), V)
+            return logp.gather(1, torch.tensor(cont)[:, None]).squeeze(1).tolist()
+
+        try:
+            return list(await asyncio.gather(*(one(s, lg, c) for (s, lg), c in zip(pairs, continuations))))
+        finally:
+            for s, _ in pairs:
+                s.close()
 
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> Any:

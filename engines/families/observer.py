@@ -29,6 +29,10 @@ def refuse_foreign(options: dict[str, Any], takes: tuple[str, ...], model: str) 
 class FamilyObserver:
     """The interface; every method has the dense model's behaviour."""
 
+    #: the family decides once per sequence, on its prompt (ReasonFormer): a whole-text forward scores a
+    #: prompt, and a multiple-choice prefix is prefilled once with its continuations fed after it
+    decides_on_prompt = False
+
     def check_options(self, options: dict[str, Any], model: str) -> None:
         """A request's model-family options (MoDr's ``recurrence``, ``exit``; ReasonFormer's ``max_steps``,
         ``stop_threshold``) for the model named ``model``: 400 naming the first one it does not take."""

@@ -130,6 +130,16 @@ def test_reasonformer_depth_trace_and_metrics(sdk: openai.OpenAI, real_server: L
     assert f'chorus_reasonformer_steps_total{{model="{RF}"}}' in text
 
 
+def test_reasonformer_choices_decide_on_the_prompt(real_server: LiveServer) -> None:
+    """/v1/choices on ReasonFormer prefills the question once (the decision is made on it, as in generation)
+    and feeds each answer after it: the fresh retrofit stops after step 1, so the scores are SmolLM2's."""
+    body = {"prompt": "Question: Which is a mammal?\nAnswer: ", "choices": ["a whale", "a shark", "a trout"]}
+    got = {m: httpx.post(real_server.url + "/v1/choices", json={**body, "model": m}, timeout=120).json()
+           for m in (SMOL, RF)}
+    for a, b in zip(got[SMOL]["choices"], got[RF]["choices"]):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-3 and a["tokens"] == b["tokens"]
+
+
 def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: ChorusConfig, tmp_path: Path) -> None:
     """`chorus train moe --router deepseek` on the real SmolLM2 (2 experts, 2 short steps: the path, not the
     quality), then served from `path:`: the GLM-4-MoE checkpoint answers through the openai SDK and its trace

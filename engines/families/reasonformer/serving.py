@@ -34,6 +34,8 @@ class ReasonObserver(FamilyObserver):
     decides the skills per step and the depth; the observer keeps that decision (``session.family``) and
     hands it back for every later forward of the sequence, and counts skill weights and steps since start-up."""
 
+    decides_on_prompt = True
+
     def __init__(self, model: ReasonFormerModel) -> None:
         self.model = model
         self.weight_sums = [0.0] * model.cfg.n_skills
