@@ -71,13 +71,16 @@ def serve(models: dict[str, Path], work: Path) -> tuple[str, Any]:
     config = work / "bench-reasonformer.yaml"
     config.write_text(yaml.safe_dump({"models": [{"name": n, "path": str(p)} for n, p in models.items()],
                                       "server": {"host": "127.0.0.1", "port": port}}))
-    proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(config)])
+    server_log = (work / "bench-reasonformer-server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(config)], stdout=server_log,
+                            stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"chorus serve did not come up on {url}")
+            server_log.close()
+            raise RuntimeError(f"chorus serve did not come up on {url} (its log: {server_log.name})")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 break
@@ -91,6 +94,7 @@ def serve(models: dict[str, Path], work: Path) -> tuple[str, Any]:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        server_log.close()
 
     return url, stop
 
