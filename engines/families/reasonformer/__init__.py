@@ -1,5 +1,5 @@
 """ReasonFormer: skill-routed reasoning steps with a stop gate, retrofitted onto a frozen decoder
-(docs/methods.md §9).
+(docs/methods.md §12).
 
 The package: ``config`` (ReasonFormerConfig), ``model`` (skill LoRAs, router, gate, per-step KV slots),
 ``checkpoint`` (save / load / retrofit), ``serving`` (request options and the batching observer),

@@ -1,4 +1,4 @@
-"""Training ReasonFormer (docs/methods.md §9): ``chorus train reasonformer``, in the paper's two stages.
+"""Training ReasonFormer (docs/methods.md §12): ``chorus train reasonformer``, in the paper's two stages.
 
 1. Skill pre-training: each skill's modules on its own data, the router fixed to that skill and every
    step run in full (gates open), so each (skill, step) adapter learns.
