@@ -136,6 +136,22 @@ def save_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     write_manifest(out, manifest)
 
 
+def model_type_of(path: Path | str) -> str | None:
+    """The ``model_type`` in a directory's config.json (None when there is none or it is not JSON)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def frozen_spans(base: Any, *ranges: tuple[int, int]) -> list[Any]:
+    """Freeze a transformers decoder's parameters and return its layers over each half-open range, as
+    `torch.nn.ModuleList`s (MoDr's prelude / core / coda, ReasonFormer's representation / block / coda)."""
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return [torch.nn.ModuleList(base.model.layers[a:b]) for a, b in ranges]
+
+
 def load_llama_model(path: Path | str, what: str, dtype: torch.dtype = torch.float32) -> Any:
     """A Llama-architecture checkpoint as a transformers model (eval mode, sdpa attention), for the families
     built over a frozen base (MoDr, ReasonFormer); ``what`` names the family in the error."""

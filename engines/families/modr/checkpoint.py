@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from chorus.engines.families.checkpoint import (
     check_new_dir,
     load_llama_model,
     load_over_base,
+    model_type_of,
     read_config,
     save_over_base,
 )
@@ -27,10 +27,7 @@ def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> Any
 
 
 def is_modr_dir(path: Path | str) -> bool:
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "chorus_modr"
-    except (OSError, ValueError):
-        return False
+    return model_type_of(path) == "chorus_modr"
 
 
 def save_modr(model: MoDrModel, out: Path, *, extra: dict[str, Any] | None = None) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from chorus.engines.families.balance import BiasBalancer, counts_of
+from chorus.engines.families.checkpoint import frozen_spans
 from chorus.engines.families.kv_cache import StepSlots, run_layers
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.errors import BuildError
@@ -153,12 +154,7 @@ class MoDrModel(nn.Module):
         self.cfg = cfg
         self.config = base.config
         self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
-        layers = base.model.layers
-        self.prelude = nn.ModuleList(layers[cfg.prelude[0]: cfg.prelude[1]])
-        self.core = nn.ModuleList(layers[cfg.core[0]: cfg.core[1]])
-        self.coda = nn.ModuleList(layers[cfg.coda[0]: cfg.coda[1]])
+        self.prelude, self.core, self.coda = frozen_spans(base, cfg.prelude, cfg.core, cfg.coda)
         h = base.config.hidden_size
         self.adapter = nn.Linear(2 * h, h, bias=False)  # over [s; e]
         with torch.no_grad():

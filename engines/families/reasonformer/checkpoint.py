@@ -3,7 +3,6 @@ retrofitting a fresh one (``derive: {family: reasonformer}``)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from chorus.engines.families.checkpoint import (
     check_new_dir,
     load_llama_model,
     load_over_base,
+    model_type_of,
     read_config,
     save_over_base,
 )
@@ -28,10 +28,7 @@ def load_base_model(path: Path | str, dtype: torch.dtype = torch.float32) -> Any
 
 
 def is_reasonformer_dir(path: Path | str) -> bool:
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError):
-        return False
+    return model_type_of(path) == MODEL_TYPE
 
 
 def save_reasonformer(model: ReasonFormerModel, out: Path, *, extra: dict[str, Any] | None = None) -> None:

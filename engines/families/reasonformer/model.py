@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chorus.engines.families.checkpoint import frozen_spans
 from chorus.engines.families.kv_cache import StepSlots, run_layers
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
 from chorus.errors import BuildError
@@ -141,12 +142,7 @@ class ReasonFormerModel(nn.Module):
         self.cfg = cfg
         self.config = base.config
         self.base = base
-        for p in base.parameters():
-            p.requires_grad_(False)
-        layers = base.model.layers
-        self.representation = nn.ModuleList(layers[cfg.representation[0]: cfg.representation[1]])
-        self.block = nn.ModuleList(layers[cfg.block[0]: cfg.block[1]])
-        self.coda = nn.ModuleList(layers[cfg.coda[0]: cfg.coda[1]])
+        self.representation, self.block, self.coda = frozen_spans(base, cfg.representation, cfg.block, cfg.coda)
         h = base.config.hidden_size
         s, steps = cfg.n_skills, cfg.max_steps
         banks = [(s, cfg.rank), (s * steps, cfg.adapter_rank)] if cfg.kind == "shared" else [(s * steps, cfg.rank)]
