@@ -65,9 +65,11 @@ class _Sampling(BaseModel):
     recurrence: int | None = Field(default=None, description="extension, MoDr models: recurrence steps per token")
     exit: dict[str, Any] | None = Field(
         default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
-    max_steps: int | None = Field(default=None, description="extension, ReasonFormer models: reasoning steps cap")
+    max_steps: int | None = Field(default=None, strict=True,  # strict: `true` or "2" is a 400, not a cap of 1 / 2
+                                  description="extension, ReasonFormer models: reasoning steps cap")
     stop_threshold: float | None = Field(
-        default=None, description="extension, ReasonFormer models: a step whose stop gate is below it ends the cascade")
+        default=None, strict=True,
+        description="extension, ReasonFormer models: a step whose stop gate is below it ends the cascade")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token, ReasonFormer skills and depth)")
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], as OpenAI

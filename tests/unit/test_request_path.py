@@ -68,6 +68,11 @@ def test_request_models_convert_themselves_for_an_engine() -> None:
     req = chat.to_generation_request(engine)
     assert req.params.max_tokens == 5 and req.params.temperature == 0.3
     assert req.options == {"recurrence": 2} and req.trace == {}
+    rf = P.CompletionRequest.model_validate({"model": "f", "prompt": "ab", "max_steps": 2, "stop_threshold": 0})
+    assert rf.family_options == {"max_steps": 2, "stop_threshold": 0.0}
+    for bad in ({"max_steps": True}, {"max_steps": "2"}, {"stop_threshold": True}, {"stop_threshold": "0.3"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # strict: never read as a cap of 1 or 2
+            P.CompletionRequest.model_validate({"model": "f", "prompt": "ab", **bad})
     comp = P.CompletionRequest.model_validate({"model": "f", "prompt": ["ab", "cd"], "max_tokens": 3})
     reqs = comp.to_generation_requests(engine)
     assert [r.prompt_ids for r in reqs] == [engine.tokenizer.encode("ab"), engine.tokenizer.encode("cd")]

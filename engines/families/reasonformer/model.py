@@ -259,7 +259,6 @@ class ReasonFormerModel(nn.Module):
         ones = torch.ones(b, device=dev)
         coef = ones
         logs: dict[str, list[torch.Tensor]] = {"sel": [], "w": [], "gate": [], "coef": [], "run": []}
-        gate_probs = []
         for i in range(steps_max):
             # the gate: step 1 always runs; step i's update is scaled by the product of the gates so far
             g = self.gates[i - 1](state, valid) if i > 0 and need and not open_gates else ones
@@ -267,7 +266,6 @@ class ReasonFormerModel(nn.Module):
             if bool(is_decided.any()):
                 given = [d.coefs[i] if d is not None and i < d.depth else 1.0 for d in decided]
                 coef = torch.where(is_decided, torch.tensor(given, device=dev), coef)
-            gate_probs.append(g)
             logs["gate"].append(g)
             if not self.training and i > 0:
                 active = active & (is_decided | (g >= thr))
@@ -308,7 +306,7 @@ class ReasonFormerModel(nn.Module):
         elif isinstance(logits_to_keep, torch.Tensor):
             out = out.index_select(1, logits_to_keep)
         self.reports = self._decisions(decided, logs, cap.tolist())
-        return ReasonOutput(self.head(out), torch.stack(gate_probs, 1))
+        return ReasonOutput(self.head(out), torch.stack(logs["gate"], 1))
 
     def _skills(self, i: int, state: torch.Tensor, valid: torch.Tensor, skill: int | torch.Tensor | None,
                 decided: list[Decision | None], is_decided: torch.Tensor, need: bool,
