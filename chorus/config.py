@@ -7,6 +7,7 @@ Environment (pydantic-settings, prefix ``CHORUS_``): ``CHORUS_HOME`` (cache dire
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -134,6 +135,29 @@ class ChorusConfig(BaseModel):
             except ImportError as exc:
                 raise ValueError(f"ensemble {e.name!r}: cannot import strategy {e.strategy!r}: {exc}") from None
         return self
+
+    def served(self, ready: Callable[[ModelSpec], bool]) -> tuple[ChorusConfig, list[str]]:
+        """The config ``chorus serve`` serves, and one line per thing it leaves out: an optional model that is
+        not ``ready`` (prepared), and a named ensemble with a member left out. Everything else is kept, so a
+        non-optional model that cannot be prepared still fails where it is prepared."""
+        skipped: list[str] = []
+        models = []
+        for m in self.models:
+            if m.optional and not ready(m):
+                how = m.add_with or f"chorus models prepare {m.name}"
+                skipped.append(f"{m.name}: optional and not prepared, not served (add it with: {how})")
+            else:
+                models.append(m)
+        names = {m.name for m in models}
+        ensembles = []
+        for e in self.ensembles:
+            missing = sorted({m.model for m in e.members} - names)
+            if missing:
+                skipped.append(f"{e.name}: not served, its member {', '.join(missing)} is not served")
+            else:
+                ensembles.append(e)
+        # no revalidation: a key may still name a model left out (it is simply not served)
+        return self.model_copy(update={"models": models, "ensembles": ensembles}), skipped
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:

@@ -44,7 +44,7 @@ def configure_logging(json_format: bool, level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from chorus.engines.prepare import is_prepared, prepare_model
+    from chorus.engines.prepare import is_prepared, is_ready, prepare_model
     from chorus.errors import GatewayError
     from chorus.server.app import create_app
 
@@ -52,6 +52,11 @@ def serve(args: argparse.Namespace) -> int:
     env = Settings()
     host = args.host or env.host or config.server.host
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
+    config, skipped = config.served(is_ready)
+    for line in skipped:
+        print(f"chorus: {line}", file=sys.stderr, flush=True)
+    if not config.models:
+        sys.exit("chorus: no model to serve: every model of the config is optional and none is prepared")
     for spec in config.models:
         if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
@@ -67,7 +72,8 @@ def serve(args: argparse.Namespace) -> int:
         host = "127.0.0.1"
     elif not app.state.keys.enabled:
         print("chorus: no API keys configured: open to local clients only (127.0.0.1)", file=sys.stderr, flush=True)
-    print(f"chorus: serving {', '.join(m.name for m in config.models)} on http://{host}:{port}/v1", flush=True)
+    served = [m.name for m in config.models] + [e.name for e in config.ensembles]
+    print(f"chorus: serving {', '.join(served)} on http://{host}:{port}/v1", flush=True)
 
     grace = config.server.shutdown_grace_s
 

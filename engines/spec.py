@@ -98,6 +98,8 @@ class ModelSpec(BaseModel):
     description: str = ""
     #: opt-in: ``chorus models prepare`` without names skips it; ``chorus serve`` serves it once prepared
     optional: bool = False
+    #: for an optional model: the command that adds it (serve names it when it skips the model)
+    add_with: str | None = None
     #: options for ``engine: fake`` (script, delay, max_model_len)
     fake: dict[str, Any] = Field(default_factory=dict)
     #: ``engine: remote``: OpenAI-compatible servers (vLLM, chorus worker, ...) holding this model

@@ -106,6 +106,12 @@ class _Sampling(BaseModel):
     def tool_set(self) -> Tools | None:
         return self._tools
 
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        return self
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:

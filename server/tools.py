@@ -28,10 +28,13 @@ def tools_of(tools: list[Any] | None, choice: Any, parallel: bool | None,
     functions, seen = [], set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+        if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else t
             raise InvalidRequest(f"{where}: only tools of type 'function' are supported (got {kind!r}).",
                                  param=f"{where}.type")
+        if not isinstance(t.get("function"), dict):
+            raise InvalidRequest(f"{where}.function is missing: a tool of type 'function' needs a 'function' "
+                                 "object with at least a 'name'.", param=f"{where}.function")
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.match(name):

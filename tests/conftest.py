@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import uvicorn
 from fastapi import FastAPI
+
+from chorus.engines.spec import chorus_home
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip the test unless ``ok``; under ``CI=true`` fail instead: CI installs and prepares everything the suite
+    needs, so a missing part there is a broken set-up, not a reason to skip."""
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: a test that needs it must run there, not skip)")
+    pytest.skip(reason)
+
+
+def prepared_model_dir(name: str) -> Path:
+    """A prepared default model's checkpoint, found through ``$CHORUS_HOME`` (`chorus_home`)."""
+    d = chorus_home() / "models" / name
+    require((d / "tokenizer.json").is_file(), f"needs the prepared {name} in {d} (make test prepares it)")
+    return d
 
 
 class LiveServer:

@@ -24,7 +24,7 @@ import pytest
 from pydantic import BaseModel
 
 from chorus.engines.fake import FakeEngine
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, require
 from tests.unit.conftest import serve_fakes
 
 SCHEMAS = Path(os.environ.get("CHORUS_OPENAI_SCHEMAS") or
@@ -48,8 +48,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def openapi() -> dict[str, Any]:
-    if not SCHEMAS.is_file():
-        pytest.skip(f"OpenAI's response schemas are not at {SCHEMAS} (set CHORUS_OPENAI_SCHEMAS)")
+    require(SCHEMAS.is_file(), f"OpenAI's response schemas are not at {SCHEMAS} (set CHORUS_OPENAI_SCHEMAS)")
     return dict(json.loads(SCHEMAS.read_text())["$defs"])
 
 

@@ -27,6 +27,7 @@ from chorus.engines.families.modr import (
 from chorus.engines.families.modr.train import TrainConfig, train_modr
 from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
 from chorus.errors import BuildError, InvalidRequest
+from tests.conftest import prepared_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -300,9 +301,7 @@ def test_modr_checkpoint_round_trip_and_training_lowers_loss(base: Path, tmp_pat
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     # the tiny base has no tokenizer of its own: borrow a byte-level one only if present, else skip
-    tok_src = Path.home() / ".cache" / "chorus" / "models" / "smollm2-135m-instruct"
-    if not (tok_src / "tokenizer.json").is_file():
-        pytest.skip("needs the prepared smollm2 tokenizer (make test prepares it)")
+    tok_src = prepared_model_dir("smollm2-135m-instruct")
     tbase = tiny_llama(tmp_path / "tbase", layers=5, vocab=49152, tokenizer_from=tok_src)
     summary = train_modr(tbase, data, tmp_path / "modr", TrainConfig(steps=25, batch_size=4, seq_len=16, lr=3e-3,
                                                                      mean_recurrence=2, bptt=1, log_every=100),

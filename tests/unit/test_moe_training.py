@@ -29,8 +29,8 @@ from chorus.engines.families.moe_routing import (
 )
 from chorus.engines.families.moe_train import MoeTrainConfig, train_moe
 from chorus.errors import BuildError
+from tests.conftest import prepared_model_dir
 
-SMOLLM2 = Path.home() / ".cache" / "chorus" / "models" / "smollm2-135m-instruct"
 COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, intermediate_size=48)
 
@@ -191,13 +191,12 @@ def test_auxiliary_loss_free_bias_balances_a_skewed_router_without_a_loss_term()
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip("needs the prepared smollm2 tokenizer (make test prepares it)")
+    smollm2 = prepared_model_dir("smollm2-135m-instruct")
     root = tmp_path_factory.mktemp("moe-train")
     words = "the cat sat on the mat and the dog sat on the log while the bird sang in the tree".split()
     data = root / "train.jsonl"
     data.write_text("\n".join(json.dumps({"text": " ".join(words[i % 5:] + words[: i % 5])}) for i in range(60)))
-    return tiny_llama(root / "base", layers=2, vocab=49152, tokenizer_from=SMOLLM2), data
+    return tiny_llama(root / "base", layers=2, vocab=49152, tokenizer_from=smollm2), data
 
 
 @pytest.mark.parametrize("router,arch,k", [("switch", "MixtralForCausalLM", 1), ("gshard", "MixtralForCausalLM", 2),

@@ -25,6 +25,7 @@ from chorus.engines.families.reasonformer import (
     load_reasonformer,
 )
 from chorus.errors import BuildError, InvalidRequest
+from tests.conftest import prepared_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -238,9 +239,7 @@ def test_two_stage_training_and_the_plain_lora_baseline(base: Path, tmp_path: Pa
     as a plain model."""
     from chorus.engines.families.reasonformer.train import TrainConfig, train_plain_lora, train_reasonformer
 
-    tok_src = Path.home() / ".cache" / "chorus" / "models" / "smollm2-135m-instruct"
-    if not (tok_src / "tokenizer.json").is_file():
-        pytest.skip("needs the prepared smollm2 tokenizer (make test prepares it)")
+    tok_src = prepared_model_dir("smollm2-135m-instruct")
     tbase = tiny_llama(tmp_path / "tbase", layers=5, vocab=49152, tokenizer_from=tok_src)
     words = "the cat sat on the mat and the dog sat on the log".split()
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": " ".join(words[i % 4:] + words[: i % 4])})

@@ -25,6 +25,10 @@ USER = [{"role": "user", "content": "hi"}]
     ({"messages": [{"role": "user", "content": [{"type": "input_audio",
                                                  "input_audio": {"data": "AA", "format": "wav"}}]}]},
      "messages[0].content[0]", "text parts only"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "'function' object"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "needs 'tool_call_id'"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream' is true"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
 ])
 def test_unsupported_chat_fields_are_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any], param: str,
                                                        words: str) -> None:
@@ -45,3 +49,9 @@ def test_what_changes_nothing_stays_accepted(client: openai.OpenAI, server: Live
                                                                "logprobs": True, "top_logprobs": 1})
     lp = r.json()["choices"][0]["logprobs"]
     assert "refusal" in lp and lp["refusal"] is None and len(lp["content"]) == 2  # OpenAI's schema requires it
+
+
+def test_stream_options_on_a_text_completion_without_stream_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="fake", prompt="hi", max_tokens=2, stream_options={"include_usage": True})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "stream_options"
