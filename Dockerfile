@@ -17,14 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/chorus
 COPY pyproject.toml README.md ./
-# one folder per layer; `pip install .` puts them all under the one import package `chorus`
+# the one import package; its folders are its layers
 COPY chorus ./chorus
-COPY cli ./cli
-COPY bench ./bench
-COPY server ./server
-COPY engines ./engines
-COPY ensembles ./ensembles
-COPY clients ./clients
 
 RUN if [ -n "$TORCH_SPEC" ]; then pip install $TORCH_SPEC; fi \
  && pip install ".${EXTRAS:+[$EXTRAS]}" \

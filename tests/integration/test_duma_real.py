@@ -12,9 +12,9 @@ import torch
 
 from chorus.config import ChorusConfig
 from chorus.engines.families.duma import DumaConfig, load_duma, score_items
-from chorus.engines.families.duma_train import TrainConfig, train_duma
 from chorus.engines.registry import build_engine
 from chorus.server.app import create_app
+from chorus.training.duma import TrainConfig, train_duma
 from tests.conftest import LiveServer
 from tests.integration.conftest import SMOL
 

@@ -27,11 +27,11 @@ from chorus.engines.families.duma import (
     score_items,
     tiny_encoder,
 )
-from chorus.engines.families.duma_train import TrainConfig, accuracy, loss_of, read_items, train_duma
 from chorus.engines.registry import build_engine
 from chorus.engines.scorer import ScorerEngine
 from chorus.errors import BuildError
 from chorus.server.app import create_app
+from chorus.training.duma import TrainConfig, accuracy, loss_of, read_items, train_duma
 from tests.conftest import LiveServer
 
 ITEMS = [("Question: which animal barks?\nAnswer: ", ["a dog", "a cat", "a fish"]),

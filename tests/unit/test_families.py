@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from chorus.engines.batching import BatchRunner
 from chorus.engines.families.checkpoint import tiny_llama
 from chorus.engines.families.graft import GraftConfig, graft
-from chorus.engines.families.kv_cache import GrowingCache
 from chorus.engines.families.modr import (
     MoDrConfig,
     MoDrModel,
@@ -24,9 +23,10 @@ from chorus.engines.families.modr import (
     load_base_model,
     load_modr,
 )
-from chorus.engines.families.modr.train import TrainConfig, train_modr
 from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
+from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
+from chorus.training.modr import TrainConfig, train_modr
 from tests.conftest import prepared_model_dir
 
 

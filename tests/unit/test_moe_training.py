@@ -27,8 +27,8 @@ from chorus.engines.families.moe_routing import (
     SwitchRouter,
     capacity_limit,
 )
-from chorus.engines.families.moe_train import MoeTrainConfig, train_moe
 from chorus.errors import BuildError
+from chorus.training.moe import MoeTrainConfig, train_moe
 from tests.conftest import prepared_model_dir
 
 COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

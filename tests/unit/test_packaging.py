@@ -30,11 +30,19 @@ def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
     top = {n.split("/")[0] for n in names}
     assert top == {"chorus", f"chorus_gateway-{chorus.__version__}.dist-info"}
     for layer in ("cli", "bench", "server", "ensembles", "engines", "engines/families", "engines/families/modr",
-                  "engines/families/reasonformer", "clients"):
+                  "engines/families/reasonformer", "clients", "training"):
         assert f"chorus/{layer}/__init__.py" in names
     assert "chorus/default_config.yaml" in names and "chorus/clients/data/route-sample.jsonl" in names
     entry = zipfile.ZipFile(wheel).read(f"chorus_gateway-{chorus.__version__}.dist-info/entry_points.txt").decode()
     assert "chorus = chorus.cli:main" in entry
+
+
+def test_the_tree_is_the_package() -> None:
+    """Every importable module lives under chorus/ (an import path is a file path): the repository root holds no
+    other Python package than the tests."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages == {"chorus", "tests"}, packages
+    assert not list(ROOT.glob("*.py"))
 
 
 def test_one_version_from_the_metadata() -> None:

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from chorus.engines.batching import BatchRunner
 from chorus.engines.families.checkpoint import tiny_llama
-from chorus.engines.families.kv_cache import GrowingCache
 from chorus.engines.families.reasonformer import (
     Decision,
     ReasonFormerConfig,
@@ -24,6 +23,7 @@ from chorus.engines.families.reasonformer import (
     load_base_model,
     load_reasonformer,
 )
+from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
 from tests.conftest import prepared_model_dir
 
@@ -221,7 +221,7 @@ def test_decision_depth() -> None:
 
 
 def test_mc_rows_read_as_their_answer_and_row_slices(tmp_path: Path) -> None:
-    from chorus.engines.families.train_data import parse_rows, read_texts
+    from chorus.training.data import parse_rows, read_texts
 
     data = tmp_path / "mc.jsonl"
     data.write_text("\n".join(json.dumps({"goal": f"g{i}", "choices": ["a", "b"], "label": i % 2}) for i in range(6))
@@ -237,7 +237,7 @@ def test_two_stage_training_and_the_plain_lora_baseline(base: Path, tmp_path: Pa
     """Stage 1 (each skill on its own data) and stage 2 (router, gates, skills on mixed data) lower the held-out
     loss; the router learns to tell the two tasks apart; the baseline merges into a dense checkpoint that loads
     as a plain model."""
-    from chorus.engines.families.reasonformer.train import TrainConfig, train_plain_lora, train_reasonformer
+    from chorus.training.reasonformer import TrainConfig, train_plain_lora, train_reasonformer
 
     tok_src = prepared_model_dir("smollm2-135m-instruct")
     tbase = tiny_llama(tmp_path / "tbase", layers=5, vocab=49152, tokenizer_from=tok_src)

@@ -55,7 +55,7 @@ def _modr_cache_vs_recompute(model: Any, context: int, batch: int, recurrence: i
     vs recomputing every sequence from scratch (the best of ``rounds``)."""
     import torch
 
-    from chorus.engines.families.kv_cache import GrowingCache
+    from chorus.engines.runtime.kv_cache import GrowingCache
 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (batch, context - steps), generator=gen)

@@ -11,8 +11,8 @@ from torch import nn
 
 from chorus.engines.families.balance import BiasBalancer, counts_of
 from chorus.engines.families.checkpoint import frozen_spans
-from chorus.engines.families.kv_cache import StepSlots, run_layers
 from chorus.engines.families.modr.config import MoDrConfig
+from chorus.engines.runtime.kv_cache import StepSlots, run_layers
 from chorus.errors import BuildError
 
 

@@ -49,9 +49,9 @@ def graft(args: argparse.Namespace) -> int:
 
 
 def train_modr(args: argparse.Namespace) -> int:
-    from chorus.engines.families.modr.train import TrainConfig
-    from chorus.engines.families.modr.train import train_modr as train
     from chorus.errors import BuildError
+    from chorus.training.modr import TrainConfig
+    from chorus.training.modr import train_modr as train
 
     modr: dict[str, Any] = {"branches": args.branches, "rank": args.rank, "alpha": args.alpha}
     modr.update({k: getattr(args, k) for k in ("prelude", "core", "coda") if getattr(args, k) is not None})
@@ -117,9 +117,9 @@ def train_modr_arguments(m: argparse.ArgumentParser) -> None:
 
 
 def train_moe(args: argparse.Namespace) -> int:
-    from chorus.engines.families.moe_train import MoeTrainConfig
-    from chorus.engines.families.moe_train import train_moe as train
     from chorus.errors import BuildError
+    from chorus.training.moe import MoeTrainConfig
+    from chorus.training.moe import train_moe as train
 
     tc = MoeTrainConfig(router=args.router, experts=args.experts, top_k=args.top_k, noise=args.noise, steps=args.steps,
                         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
@@ -162,9 +162,9 @@ def train_moe_arguments(m: argparse.ArgumentParser) -> None:
 
 def train_duma(args: argparse.Namespace) -> int:
     from chorus.engines.families.duma import DumaConfig
-    from chorus.engines.families.duma_train import TrainConfig
-    from chorus.engines.families.duma_train import train_duma as train
     from chorus.errors import BuildError
+    from chorus.training.duma import TrainConfig
+    from chorus.training.duma import train_duma as train
 
     cfg = DumaConfig(head=args.head, fuse=args.fuse, heads=args.heads, dropout=args.dropout, max_length=args.max_length)
     tc = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, head_lr=args.head_lr,
@@ -207,9 +207,9 @@ def _skill(text: str) -> tuple[str, str]:
 
 
 def train_reasonformer(args: argparse.Namespace) -> int:
-    from chorus.engines.families.reasonformer.train import TrainConfig
-    from chorus.engines.families.reasonformer.train import train_reasonformer as train
     from chorus.errors import BuildError
+    from chorus.training.reasonformer import TrainConfig
+    from chorus.training.reasonformer import train_reasonformer as train
 
     skills = dict(args.skill)
     if len(skills) != len(args.skill):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from chorus.engines.base import CHOICES, Delta, Generation, GenerationRequest, Session, Tokenizer, TokenLogprob
-from chorus.engines.families.metric import Metric
+from chorus.engines.runtime.metric import Metric
 from chorus.engines.spec import ModelSpec
 from chorus.errors import CapabilityMismatch, EngineUnavailable, InvalidRequest
 

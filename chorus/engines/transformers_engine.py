@@ -12,9 +12,9 @@ import torch
 
 from chorus.engines.base import TokenLogprob, TopLogprob
 from chorus.engines.batching import BatchedSession, BatchRunner
-from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.generation import SessionEngine
 from chorus.engines.hf_tokenizer import HFTokenizer
+from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.spec import ModelSpec, chorus_home
 from chorus.errors import EngineUnavailable
 

@@ -45,9 +45,9 @@ from chorus.engines.families.checkpoint import (
     load_base,
     save_checkpoint,
 )
-from chorus.engines.families.metric import Metric
 from chorus.engines.families.moe_routing import LAYOUTS
-from chorus.engines.families.observer import FamilyObserver
+from chorus.engines.runtime.metric import Metric
+from chorus.engines.runtime.observer import FamilyObserver
 from chorus.errors import BuildError
 
 CALIBRATION = (

@@ -93,7 +93,7 @@ async def decode_rates(path: Path, tokens: int, streams: int, rounds: int,
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from chorus.engines.families.moe_train import MoeTrainConfig, train_moe
+    from chorus.training.moe import MoeTrainConfig, train_moe
 
     torch.set_num_threads(args.threads)
     root = Path(args.out_dir).expanduser()

@@ -35,9 +35,9 @@ from chorus.engines.base import (
 )
 from chorus.engines.constraint import Guide, ll_tokenizer
 from chorus.engines.detokenize import TextAssembler
-from chorus.engines.families.metric import Metric
-from chorus.engines.families.observer import DenseObserver, FamilyObserver
 from chorus.engines.hf_tokenizer import has_tool_turns
+from chorus.engines.runtime.metric import Metric
+from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.sampling import logprob_info, make_generator, sample
 from chorus.engines.scoring import by_prompt_logprobs
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest

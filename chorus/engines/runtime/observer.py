@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chorus.engines.families.metric import Metric
+from chorus.engines.runtime.metric import Metric
 from chorus.errors import InvalidRequest
 
 #: the request options a model family takes, and the family that takes them

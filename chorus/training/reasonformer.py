@@ -8,7 +8,7 @@
    gates start stage 2 open (bias +2) when stage 1 ran, closed (bias -2) otherwise.
 
 The base stays frozen. Data: one JSONL file (or row slice, ``PATH@START:END``) per skill, read by
-`train_data.read_texts` (multiple-choice rows as their right answer), one example per sequence (no
+`training.data.read_texts` (multiple-choice rows as their right answer), one example per sequence (no
 packing: the router decides per example). The last ``eval_rows`` rows of each skill are held out:
 loss per skill, the router's weights and the depth chosen are measured on them before and after.
 
@@ -37,8 +37,8 @@ from chorus.engines.families.reasonformer.checkpoint import (
 )
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
 from chorus.engines.families.reasonformer.model import Decision, ReasonFormerModel, StopGate
-from chorus.engines.families.train_data import pad_rows, parse_rows, read_texts
 from chorus.errors import BuildError
+from chorus.training.data import pad_rows, parse_rows, read_texts
 
 
 @dataclass

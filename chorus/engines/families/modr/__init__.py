@@ -39,11 +39,11 @@ reference, layer ranges, branch settings), ``modr.safetensors`` (adapter, router
 and the tokenizer files; the base weights stay in the base directory.
 """
 
-from chorus.engines.families.kv_cache import grow_steps, step_slots
 from chorus.engines.families.modr.checkpoint import build_retrofit, is_modr_dir, load_base_model, load_modr, save_modr
 from chorus.engines.families.modr.config import TARGETS, WEIGHTS, MoDrConfig
 from chorus.engines.families.modr.model import MoDrModel, MoDrOutput, RowControl, RowReport
 from chorus.engines.families.modr.serving import RoutingObserver, check_options
+from chorus.engines.runtime.kv_cache import grow_steps, step_slots
 
 __all__ = ["TARGETS", "WEIGHTS", "MoDrConfig", "MoDrModel", "MoDrOutput", "RoutingObserver", "RowControl", "RowReport",
            "build_retrofit", "check_options", "grow_steps", "is_modr_dir", "load_base_model", "load_modr", "save_modr",

@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
 
     from chorus.clients import eval_stats as S
     from chorus.engines.families.reasonformer import load_reasonformer
-    from chorus.engines.families.reasonformer.train import (
+    from chorus.training.reasonformer import (
         TrainConfig,
         per_rank_parameters,
         train_plain_lora,

@@ -106,7 +106,7 @@ def layout_checks(shape: dict[str, Any], device: str) -> list[list[Any]]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from chorus.engines.families.moe_train import MoeTrainConfig, train_moe
+    from chorus.training.moe import MoeTrainConfig, train_moe
 
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

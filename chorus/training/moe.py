@@ -35,8 +35,8 @@ from chorus.engines.families.checkpoint import (
 from chorus.engines.families.moe import UpcycleConfig, upcycle
 from chorus.engines.families.moe_layer import MoELayer, unwrap_all, wrap_all
 from chorus.engines.families.moe_routing import DEFAULT_LAYOUT, ROUTERS
-from chorus.engines.families.train_data import pack, read_texts
 from chorus.errors import BuildError
+from chorus.training.data import pack, read_texts
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from chorus.engines.families.kv_cache import grow_steps, step_slots
-from chorus.engines.families.metric import Metric
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.engines.families.modr.model import MoDrModel, RowControl
-from chorus.engines.families.observer import FamilyObserver, refuse_foreign
+from chorus.engines.runtime.kv_cache import grow_steps, step_slots
+from chorus.engines.runtime.metric import Metric
+from chorus.engines.runtime.observer import FamilyObserver, refuse_foreign
 
 
 def check_options(options: dict[str, Any], cfg: MoDrConfig, model: str = "this model") -> None:

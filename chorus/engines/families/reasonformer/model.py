@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from chorus.engines.families.checkpoint import frozen_spans
-from chorus.engines.families.kv_cache import StepSlots, run_layers
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
+from chorus.engines.runtime.kv_cache import StepSlots, run_layers
 from chorus.errors import BuildError
 
 

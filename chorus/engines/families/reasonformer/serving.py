@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from chorus.engines.families.kv_cache import grow_steps, step_slots
-from chorus.engines.families.metric import Metric
-from chorus.engines.families.observer import FamilyObserver, refuse_foreign
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
 from chorus.engines.families.reasonformer.model import Decision, ReasonFormerModel, RowControl
+from chorus.engines.runtime.kv_cache import grow_steps, step_slots
+from chorus.engines.runtime.metric import Metric
+from chorus.engines.runtime.observer import FamilyObserver, refuse_foreign
 
 OPTIONS = ("max_steps", "stop_threshold")
 

@@ -45,9 +45,9 @@ from chorus.engines.base import (
     TopLogprob,
     check_rollback,
 )
-from chorus.engines.families.metric import Metric
 from chorus.engines.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.replicas import Replica, ReplicaPool, Retryable, error_from
+from chorus.engines.runtime.metric import Metric
 from chorus.engines.scoring import by_prompt_logprobs
 from chorus.engines.session_wire import decode_next
 from chorus.engines.spec import ModelSpec, RemoteSpec

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from chorus.engines.families.metric import Metric
+from chorus.engines.runtime.metric import Metric
 from chorus.errors import InvalidRequest
 
 TEXT = "text"

@@ -27,8 +27,8 @@ from chorus.engines.families.checkpoint import atomic_output, check_new_dir, rea
 from chorus.engines.families.modr.checkpoint import is_modr_dir, load_base_model, load_modr, save_modr
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.engines.families.modr.model import MoDrModel
-from chorus.engines.families.train_data import pack, read_texts
 from chorus.errors import BuildError
+from chorus.training.data import pack, read_texts
 
 
 @dataclass
