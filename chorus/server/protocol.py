@@ -19,6 +19,7 @@ from chorus.engines.base import (
     TokenLogprob,
     Tools,
 )
+from chorus.engines.families.options import FamilyFields
 from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
 from chorus.server import structured, unsupported
@@ -41,8 +42,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class _Sampling(BaseModel):
-    """Fields shared by chat and text completions. Unknown fields are ignored, as OpenAI-compatible servers do."""
+class _Sampling(FamilyFields):
+    """Fields shared by chat and text completions, the model families' request fields among them (declared by each
+    family: `FamilyFields`). Unknown fields are ignored, as OpenAI-compatible servers do."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -62,14 +64,6 @@ class _Sampling(BaseModel):
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
     ensemble: dict[str, Any] | None = Field(
         default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
-    recurrence: int | None = Field(default=None, description="extension, MoDr models: recurrence steps per token")
-    exit: dict[str, Any] | None = Field(
-        default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
-    max_steps: int | None = Field(default=None, strict=True,  # strict: `true` or "2" is a 400, not a cap of 1 / 2
-                                  description="extension, ReasonFormer models: reasoning steps cap")
-    stop_threshold: float | None = Field(
-        default=None, strict=True,
-        description="extension, ReasonFormer models: a step whose stop gate is below it ends the cascade")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token, ReasonFormer skills and depth)")
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], as OpenAI
@@ -132,13 +126,6 @@ class _Sampling(BaseModel):
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return v
-
-    @property
-    def family_options(self) -> dict[str, Any]:
-        """Model-family options for the engine (only those the request set)."""
-        pairs = (("recurrence", self.recurrence), ("exit", self.exit), ("max_steps", self.max_steps),
-                 ("stop_threshold", self.stop_threshold))
-        return {k: v for k, v in pairs if v is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -11,19 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from chorus.engines.runtime.family_options import refuse_foreign
 from chorus.engines.runtime.metric import Metric
-from chorus.errors import InvalidRequest
-
-#: the request options a model family takes, and the family that takes them
-FAMILY_OPTIONS = {"recurrence": "MoDr", "exit": "MoDr", "max_steps": "ReasonFormer", "stop_threshold": "ReasonFormer"}
-
-
-def refuse_foreign(options: dict[str, Any], takes: tuple[str, ...], model: str) -> None:
-    """400 naming the first of ``options`` that ``model`` does not take (``takes``) and the family that does."""
-    for name in sorted(set(options) - set(takes)):
-        family = FAMILY_OPTIONS.get(name)
-        raise InvalidRequest(f"'{name}' applies to {family + ' models' if family else 'no model'} only; {model!r} "
-                             f"is not one.", param=name)
 
 
 class FamilyObserver:

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.engines.families.modr.model import MoDrModel, RowControl
+from chorus.engines.runtime.family_options import FamilyOptions, refuse_foreign
 from chorus.engines.runtime.kv_cache import grow_steps, step_slots
 from chorus.engines.runtime.metric import Metric
-from chorus.engines.runtime.observer import FamilyObserver, refuse_foreign
+from chorus.engines.runtime.observer import FamilyObserver
+
+
+class MoDrOptions(FamilyOptions):
+    """MoDr's request fields (extensions to OpenAI's requests); their values are checked by `check_options`."""
+
+    family = "MoDr"
+    recurrence: int | None = Field(default=None, description="extension, MoDr models: recurrence steps per token")
+    exit: dict[str, Any] | None = Field(
+        default=None, description='extension, MoDr models: adaptive exit, e.g. {"kl": 5e-4}')
 
 
 def check_options(options: dict[str, Any], cfg: MoDrConfig, model: str = "this model") -> None:
     """A request's ``recurrence`` and ``exit`` (400 with the parameter named when wrong)."""
     from chorus.errors import InvalidRequest
 
-    refuse_foreign(options, ("recurrence", "exit"), model)
+    refuse_foreign(options, MoDrOptions.names(), model)
     rec = options.get("recurrence")
     if rec is not None and (isinstance(rec, bool) or not isinstance(rec, int) or not 1 <= rec <= cfg.max_recurrence):
         raise InvalidRequest(f"'recurrence' must be an integer from 1 to {cfg.max_recurrence} for this model.",

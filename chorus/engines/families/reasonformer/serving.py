@@ -5,13 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
 from chorus.engines.families.reasonformer.model import Decision, ReasonFormerModel, RowControl
+from chorus.engines.runtime.family_options import FamilyOptions, refuse_foreign
 from chorus.engines.runtime.kv_cache import grow_steps, step_slots
 from chorus.engines.runtime.metric import Metric
-from chorus.engines.runtime.observer import FamilyObserver, refuse_foreign
+from chorus.engines.runtime.observer import FamilyObserver
 
-OPTIONS = ("max_steps", "stop_threshold")
+
+class ReasonFormerOptions(FamilyOptions):
+    """ReasonFormer's request fields; strict, so `true` or "2" is a 400, never read as a cap of 1 or 2. Their
+    values are checked against the served model by `check_options`."""
+
+    family = "ReasonFormer"
+    max_steps: int | None = Field(default=None, strict=True,
+                                  description="extension, ReasonFormer models: reasoning steps cap")
+    stop_threshold: float | None = Field(
+        default=None, strict=True,
+        description="extension, ReasonFormer models: a step whose stop gate is below it ends the cascade")
+
+
+OPTIONS = ReasonFormerOptions.names()
 
 
 def check_options(options: dict[str, Any], cfg: ReasonFormerConfig, model: str = "this model") -> None:
