@@ -135,7 +135,8 @@ def bench_rouge(candidates: int, words: int, char_pairs: int, seed: int = 0) -> 
 
 async def bench_text_strategies(engines: dict[str, Any], max_tokens: int) -> str:
     from chorus.engines.base import SamplingParams
-    from chorus.ensembles.base import Ensemble, Prompt
+    from chorus.ensembles.base import Ensemble
+    from chorus.ensembles.call import Prompt
     from chorus.ensembles.spec import EnsembleSpec
 
     specs = {

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.clients.answers import extract_answer
 from chorus.engines.base import Choice, Delta
-from chorus.ensembles.base import Call, Strategy
+from chorus.ensembles.base import Strategy
+from chorus.ensembles.call import Call
 from chorus.ensembles.metrics import CASCADE_STEPS
 from chorus.errors import InvalidRequest
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncGenerator
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Strategy, with_own_sampling
+from chorus.ensembles.base import Strategy
+from chorus.ensembles.call import Call, with_own_sampling
 from chorus.ensembles.spec import member_weights
 from chorus.errors import InvalidRequest
 

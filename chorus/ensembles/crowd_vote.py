@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from chorus.engines import tool_calls
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Budget, Call, Strategy, gather
+from chorus.ensembles.base import Budget, Strategy
+from chorus.ensembles.call import Call, gather
 from chorus.ensembles.similarity import METRICS, crowd_scores, similarity
 from chorus.errors import InvalidRequest
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.clients.answers import compile_pattern, extract_answer
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Budget, Call, Member, Strategy, gather, replace_question
+from chorus.ensembles.base import Budget, Strategy
+from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.errors import InvalidRequest
 
 TOPOLOGIES = ("memory", "report", "relay", "debate")

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Member, Strategy, gather, resolve_members
+from chorus.ensembles.base import Strategy
+from chorus.ensembles.call import Call, Member, gather, resolve_members
 from chorus.ensembles.spec import MemberSpec
 
 AGGREGATE = ("You have been given responses from several models to the user's latest message. Synthesise them "

@@ -28,7 +28,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.engines.base import Delta
-from chorus.ensembles.base import Call, Member, Strategy
+from chorus.ensembles.base import Strategy
+from chorus.ensembles.call import Call, Member
 from chorus.ensembles.metrics import ROUTE_DECISIONS
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import InvalidRequest

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from chorus.engines.base import Session
-from chorus.ensembles.base import gather
+from chorus.ensembles.call import gather
 from chorus.ensembles.stepping import LeadSessionBase
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from chorus.ensembles.base import message
+from chorus.ensembles.call import message
 from chorus.ensembles.spec import member_weights
 from chorus.errors import InvalidRequest, MemberFailed
 

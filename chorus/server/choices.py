@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chorus.ensembles.base import Prompt
+from chorus.ensembles.call import Prompt
 from chorus.ensembles.choice_scores import COMBINES, ChoiceAnswer, ChoiceQuestion
 from chorus.errors import InvalidRequest
 from chorus.server import ensemble_calls

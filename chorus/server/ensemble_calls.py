@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from chorus.config import Limits
-from chorus.ensembles.base import Call, Ensemble, Prompt
+from chorus.ensembles.base import Ensemble
+from chorus.ensembles.call import Call, Prompt
 from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import InvalidRequest
 from chorus.server import protocol as P

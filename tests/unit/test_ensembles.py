@@ -12,7 +12,8 @@ import pytest
 from chorus.config import ChorusConfig
 from chorus.engines.base import Delta
 from chorus.engines.fake import FakeEngine
-from chorus.ensembles.base import Call, Strategy, gather
+from chorus.ensembles.base import Strategy
+from chorus.ensembles.call import Call, gather
 from chorus.server.app import create_app
 from tests.conftest import LiveServer, wait_until
 
