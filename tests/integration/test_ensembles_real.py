@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from chorus.ensembles.similarity import Embedder
-from tests.integration.conftest import GEMMA, SMOL
+from tests.helpers import GEMMA, SMOL
 
 pytestmark = pytest.mark.integration
 Q = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

@@ -15,8 +15,7 @@ from transformers import AutoModelForCausalLM
 from chorus.config import ChorusConfig
 from chorus.engines.families.modr import load_modr
 from chorus.engines.families.reasonformer import load_reasonformer
-from tests.conftest import LiveServer
-from tests.integration.conftest import SMOL
+from tests.helpers import SMOL, LiveServer, gateway
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +144,6 @@ def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: C
     quality), then served from `path:`: the GLM-4-MoE checkpoint answers through the openai SDK and its trace
     counts 2 experts per token in every layer."""
     from chorus.engines.spec import ModelSpec
-    from chorus.server.app import create_app
     from chorus.training.moe import MoeTrainConfig, train_moe
 
     base = default_config.model(SMOL).checkpoint_dir()
@@ -157,8 +155,7 @@ def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: C
                         bias_speed=0.01, eval_sequences=2, log_every=100)
     summary = train_moe(base, data, out, tc, log=lambda _: None)
     assert summary["dropped_share"] == 0 and summary["aux_loss_mean"] == 0
-    srv = LiveServer(create_app(ChorusConfig(models=[ModelSpec(name="trained-moe", path=str(out))]))).start(timeout=300)
-    try:
+    with gateway(ChorusConfig(models=[ModelSpec(name="trained-moe", path=str(out))]), timeout=300) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         r = client.chat.completions.create(model="trained-moe", messages=ASK, temperature=0, max_tokens=6,
                                            extra_body={"trace": True})
@@ -166,5 +163,3 @@ def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: C
         counts = torch.tensor(r.model_extra["trace"]["experts"]["tokens_per_expert"])
         assert counts.shape == (30, 2)
         assert (counts.sum(1) == 2 * (r.usage.prompt_tokens + r.usage.completion_tokens - 1)).all()
-    finally:
-        srv.stop()

@@ -11,9 +11,7 @@ from chorus.config import ChorusConfig
 from chorus.engines.prepare import is_prepared, prepare_model
 from chorus.engines.sources import smollm2_gguf
 from chorus.engines.spec import ModelSpec
-from chorus.server.app import create_app
-from tests.conftest import LiveServer
-from tests.integration.conftest import SMOL
+from tests.helpers import SMOL, gateway
 
 pytestmark = pytest.mark.integration
 
@@ -28,15 +26,12 @@ def test_local_checkpoint_and_gguf(default_config: ChorusConfig, tmp_path: Path,
     assert is_prepared(gguf_spec.prepared_dir()) and any("[4/4]" in ln for ln in lines)
     config = ChorusConfig.model_validate({"models": [{"name": "my-dir", "path": str(hf_dir)},
                                                      gguf_spec.model_dump(exclude_none=True)]})
-    srv = LiveServer(create_app(config)).start()
-    try:
+    with gateway(config) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         answers = [client.chat.completions.create(
             model=m, messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0, max_tokens=12).choices[0].message.content for m in ("my-dir", "my-gguf")]
         assert answers[0] == answers[1] and "Paris" in answers[0]
-    finally:
-        srv.stop()
 
 
 CHATS = [

@@ -9,8 +9,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import LiveServer, wait_until
-from tests.integration.conftest import GEMMA, SMOL
+from tests.helpers import GEMMA, SMOL, LiveServer, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,7 @@ import pytest
 from chorus.config import ChorusConfig, load_config
 from chorus.engines.prepare import is_ready
 from chorus.engines.scoring import mixture_logprob
-from chorus.server.app import create_app
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, gateway
 
 pytestmark = pytest.mark.integration
 Q05, Q15 = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
@@ -30,9 +29,8 @@ def qwen_server() -> Iterator[LiveServer]:
         pytest.skip(f"opt-in models not prepared ({', '.join(missing)}): run `make models-qwen`")
     qwen = ChorusConfig.model_validate({"models": [config.model(Q05).model_dump(exclude_none=True),
                                                    config.model(Q15).model_dump(exclude_none=True)]})
-    srv = LiveServer(create_app(qwen)).start(timeout=600)
-    yield srv
-    srv.stop()
+    with gateway(qwen, timeout=600) as srv:
+        yield srv
 
 
 def test_the_qwen_pair_mixes_per_token_and_per_choice(qwen_server: LiveServer) -> None:

@@ -19,9 +19,7 @@ import yaml
 
 from chorus.clients.local import free_port, wait_ready
 from chorus.config import ChorusConfig, load_config
-from chorus.server.app import create_app
-from tests.conftest import LiveServer, wait_until
-from tests.integration.conftest import SMOL
+from tests.helpers import SMOL, gateway, wait_until
 
 pytestmark = pytest.mark.integration
 Q = [{"role": "user", "content": "Name a colour."}]
@@ -81,17 +79,16 @@ def workers(tmp_path_factory: pytest.TempPathFactory, default_config: ChorusConf
                 w.kill()
 
 
-def gateway(replicas: list[str], **remote: object) -> LiveServer:
+def remote_config(replicas: list[str], **remote: object) -> ChorusConfig:
+    """One remote model, ``smol-remote``, over these replicas (SmolLM2's tokenizer)."""
     tok = str(load_config(None).model(SMOL).checkpoint_dir())
-    cfg = ChorusConfig.model_validate({"models": [{
+    return ChorusConfig.model_validate({"models": [{
         "name": "smol-remote", "engine": "remote", "max_model_len": 2048,
         "remote": {"replicas": replicas, "model": SMOL, "tokenizer": tok, "cooldown_s": 30, **remote}}]})
-    return LiveServer(create_app(cfg)).start()
 
 
 def test_requests_spread_over_both_workers_and_match_local(workers: list[Worker], sdk: openai.OpenAI) -> None:
-    gw = gateway([w.url for w in workers])
-    try:
+    with gateway(remote_config([w.url for w in workers])) as gw:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         before = [w.served() for w in workers]
         with ThreadPoolExecutor(8) as ex:
@@ -108,22 +105,17 @@ def test_requests_spread_over_both_workers_and_match_local(workers: list[Worker]
             local.choices[0].message.content
         health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
         assert health["replicas_healthy"] == 2 and health["outstanding"] == 0
-    finally:
-        gw.stop()
 
 
 def test_a_hanging_replica_is_timed_out_and_routed_around(workers: list[Worker]) -> None:
     hang = Hang()
-    gw = gateway([hang.url, workers[0].url], read_timeout_s=6)
-    try:
+    with gateway(remote_config([hang.url, workers[0].url], read_timeout_s=6)) as gw:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         for _ in range(3):
             r = c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=4, temperature=0)
             assert r.choices[0].message.content
         health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
         assert health["replicas_healthy"] == 1  # the hanging one is cooling down
-    finally:
-        gw.stop()
 
 
 def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: ChorusConfig) -> None:
@@ -140,8 +132,8 @@ def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: 
             wait_ready(url + "/v1/models", proc, timeout=240, interval=1.0)
         except RuntimeError as exc:
             pytest.fail(f"{exc}\n{(tmp_path / 'tserve.log').read_text()[-2000:]}")
-        gw = gateway([url + "/v1"], api="chat", read_timeout_s=240, model=path)  # it names a model by its path
-        try:
+        # transformers serve names a model by its path
+        with gateway(remote_config([url + "/v1"], api="chat", read_timeout_s=240, model=path)) as gw:
             c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=300)
             r = c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=8, temperature=0)
             assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
@@ -150,8 +142,6 @@ def test_gateway_in_front_of_transformers_serve(tmp_path: Path, default_config: 
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices).strip()
             with pytest.raises(openai.BadRequestError, match="chat-only"):
                 c.completions.create(model="smol-remote", prompt="Hello", max_tokens=4)
-        finally:
-            gw.stop()
     finally:
         proc.terminate()
         try:
@@ -167,8 +157,7 @@ def test_logit_average_of_a_local_and_a_remote_member(workers: list[Worker], smo
     cfg = ChorusConfig.model_validate({"models": [spec, {
         "name": "smol-remote", "engine": "remote", "max_model_len": 2048,
         "remote": {"replicas": [workers[0].url], "model": SMOL, "tokenizer": tok}}]})
-    gw = LiveServer(create_app(cfg)).start()
-    try:
+    with gateway(cfg) as gw:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
         local = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0)
         ens = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0, extra_body={
@@ -178,8 +167,6 @@ def test_logit_average_of_a_local_and_a_remote_member(workers: list[Worker], smo
         with pytest.raises(openai.BadRequestError, match="space 'logit' needs full logits"):
             c.chat.completions.create(model=SMOL, messages=Q, max_tokens=4, extra_body={
                 "ensemble": {"strategy": "logit_average", "members": [SMOL, "smol-remote"], "space": "logit"}})
-    finally:
-        gw.stop()
 
 
 def test_exact_logit_average_over_a_workers_session_api(workers: list[Worker]) -> None:
@@ -190,9 +177,8 @@ def test_exact_logit_average_over_a_workers_session_api(workers: list[Worker]) -
     cfg = ChorusConfig.model_validate({"models": [spec, {
         "name": "smol-exact", "engine": "remote", "max_model_len": 2048,
         "remote": {"replicas": [workers[0].url], "model": SMOL, "tokenizer": tok, "token_api": "chorus"}}]})
-    gw = LiveServer(create_app(cfg)).start()
     sessions = workers[0].url.removesuffix("/v1") + "/chorus/v1/sessions"
-    try:
+    with gateway(cfg) as gw:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
         local = c.chat.completions.create(model=SMOL, messages=Q, max_tokens=8, temperature=0, logprobs=True)
         for space in ("probability", "logit"):
@@ -217,13 +203,10 @@ def test_exact_logit_average_over_a_workers_session_api(workers: list[Worker]) -
                 assert te["rounds"] < te["positions"] and te["rolled_back"]["smol-exact"] > 0
         assert answers["speculative"] == answers["full"]
         assert wait_until(lambda: httpx.get(sessions).json()["open"] == 0, timeout=10)
-    finally:
-        gw.stop()
 
 
 def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> None:
-    gw = gateway([w.url for w in workers])
-    try:
+    with gateway(remote_config([w.url for w in workers])) as gw:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
         def ask(i: int) -> str:
@@ -238,5 +221,3 @@ def test_killing_a_worker_under_load_loses_no_request(workers: list[Worker]) -> 
         assert len(results) == 12 and all(results)
         health = httpx.get(gw.url + "/health").json()["models"]["smol-remote"]
         assert health["replicas_healthy"] == 1
-    finally:
-        gw.stop()

@@ -21,7 +21,7 @@ from chorus.engines.base import SamplingParams, Tools
 from chorus.engines.generation import collect, decode_loop
 from chorus.engines.sampling import make_generator
 from chorus.engines.transformers_engine import TransformersEngine
-from tests.integration.conftest import GEMMA, SMOL
+from tests.helpers import GEMMA, SMOL
 
 PROMPT = [{"role": "user", "content": "Invent a small record about a city and answer in JSON."}]
 # unbounded numbers (chorus holds them to I-JSON's range); strings bounded: an unbounded one can loop until

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from chorus.engines.fake import FakeEngine
-from tests.conftest import LiveServer, wait_until
+from tests.helpers import LiveServer, wait_until
 
 
 def test_models_and_health(client: openai.OpenAI, server: LiveServer) -> None:
@@ -92,24 +93,16 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert run(11) == run(11)
 
 
-def test_model_sampling_defaults_apply_when_the_request_leaves_them_out(live: type[LiveServer]) -> None:
-    from chorus.config import ChorusConfig
-    from chorus.server.app import create_app
-
-    config = ChorusConfig.model_validate({"models": [
-        {"name": "greedy-by-default", "engine": "fake", "fake": {"sharpness": 1.0},
-         "sampling_defaults": {"temperature": 0}}]})
-    srv = live(create_app(config)).start()
-    try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        texts = {c.completions.create(model="greedy-by-default", prompt="a", max_tokens=8).choices[0].text
-                 for _ in range(3)}
-        assert texts == {"bcdefghi"}  # the model's default (greedy), not OpenAI's temperature 1
-        hot = {c.completions.create(model="greedy-by-default", prompt="a", max_tokens=8, temperature=2.0,
-                                    seed=s).choices[0].text for s in range(4)}
-        assert hot != {"bcdefghi"}  # an explicit temperature wins
-    finally:
-        srv.stop()
+def test_model_sampling_defaults_apply_when_the_request_leaves_them_out(start_gateway: Any) -> None:
+    srv = start_gateway({"models": [{"name": "greedy-by-default", "engine": "fake", "fake": {"sharpness": 1.0},
+                                     "sampling_defaults": {"temperature": 0}}]})
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    texts = {c.completions.create(model="greedy-by-default", prompt="a", max_tokens=8).choices[0].text
+             for _ in range(3)}
+    assert texts == {"bcdefghi"}  # the model's default (greedy), not OpenAI's temperature 1
+    hot = {c.completions.create(model="greedy-by-default", prompt="a", max_tokens=8, temperature=2.0,
+                                seed=s).choices[0].text for s in range(4)}
+    assert hot != {"bcdefghi"}  # an explicit temperature wins
 
 
 def test_unknown_fields_are_ignored(server: LiveServer) -> None:

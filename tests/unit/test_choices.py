@@ -13,7 +13,7 @@ import pytest
 from chorus.clients import eval_stats as S
 from chorus.engines.fake import FakeEngine
 from chorus.engines.scoring import mixture_logprob, neutral_prefix, normalised, softmax, split_text
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 
 def post(server: LiveServer, body: dict[str, Any]) -> httpx.Response:

@@ -24,8 +24,7 @@ import pytest
 from pydantic import BaseModel
 
 from chorus.engines.fake import FakeEngine
-from tests.conftest import LiveServer, require
-from tests.unit.conftest import serve_fakes
+from tests.helpers import LiveServer, require, serve_fakes
 
 SCHEMAS = Path(os.environ.get("CHORUS_OPENAI_SCHEMAS") or
                Path(__file__).resolve().parents[3] / "shared" / "data" / "openai-spec" / "schemas.json")

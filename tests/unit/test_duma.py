@@ -30,9 +30,8 @@ from chorus.engines.families.duma import (
 from chorus.engines.registry import build_engine
 from chorus.engines.scorer import ScorerEngine
 from chorus.errors import BuildError
-from chorus.server.app import create_app
 from chorus.training.duma import TrainConfig, accuracy, loss_of, read_items, train_duma
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, gateway
 
 ITEMS = [("Question: which animal barks?\nAnswer: ", ["a dog", "a cat", "a fish"]),
          ("The sun rises in the ", ["east", "west"])]
@@ -198,9 +197,8 @@ def served(encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                        "weights": [3, 1]}]})
     engine = build_engine(config.models[0])
     assert isinstance(engine, ScorerEngine)
-    srv = LiveServer(create_app(config, engines={"duma": engine, "fake": FakeEngine("fake")})).start()
-    yield srv, engine
-    srv.stop()
+    with gateway(config, {"duma": engine, "fake": FakeEngine("fake")}) as srv:
+        yield srv, engine
 
 
 def post(srv: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:

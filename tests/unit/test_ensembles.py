@@ -14,8 +14,7 @@ from chorus.engines.base import Delta
 from chorus.engines.fake import FakeEngine
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, gather
-from chorus.server.app import create_app
-from tests.conftest import LiveServer, wait_until
+from tests.helpers import LiveServer, gateway, wait_until
 
 
 def converts(prompt: str) -> str:
@@ -75,9 +74,8 @@ def fakes() -> dict[str, FakeEngine]:
 
 @pytest.fixture(scope="module")
 def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(ChorusConfig.model_validate(CONFIG), engines=dict(fakes))).start()
-    yield srv
-    srv.stop()
+    with gateway(ChorusConfig.model_validate(CONFIG), engines=dict(fakes)) as srv:
+        yield srv
     assert {n: e.active_sessions for n, e in fakes.items()} == dict.fromkeys(fakes, 0)
 
 

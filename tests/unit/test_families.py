@@ -27,7 +27,7 @@ from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
 from chorus.training.modr import TrainConfig, train_modr
-from tests.conftest import prepared_model_dir
+from tests.helpers import prepared_model_dir
 
 
 @pytest.fixture(scope="module")

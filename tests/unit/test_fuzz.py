@@ -18,9 +18,8 @@ from chorus.engines.base import SamplingParams
 from chorus.engines.fake import FakeEngine
 from chorus.engines.sampling import make_generator, sample
 from chorus.errors import InvalidRequest
-from chorus.server.app import create_app
 from chorus.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, gateway
 
 CONFIG = {"server": {"limits": {"max_tokens": 32, "max_n": 4}},
           "models": [{"name": "fake", "engine": "fake"}],
@@ -29,9 +28,8 @@ CONFIG = {"server": {"limits": {"max_tokens": 32, "max_n": 4}},
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(ChorusConfig.model_validate(CONFIG), engines={"fake": FakeEngine("fake")})).start()
-    yield srv
-    srv.stop()
+    with gateway(ChorusConfig.model_validate(CONFIG), engines={"fake": FakeEngine("fake")}) as srv:
+        yield srv
 
 
 def test_no_input_causes_a_server_error(live: LiveServer) -> None:

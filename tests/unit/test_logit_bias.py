@@ -12,7 +12,7 @@ import pytest
 from chorus.engines.base import GenerationRequest, SamplingParams
 from chorus.engines.fake import CharTokenizer
 from chorus.engines.openai_wire import request_body
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 USER = [{"role": "user", "content": "hi"}]
 Z = CharTokenizer().encode("z")[0]

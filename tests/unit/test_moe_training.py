@@ -29,7 +29,7 @@ from chorus.engines.families.moe_routing import (
 )
 from chorus.errors import BuildError
 from chorus.training.moe import MoeTrainConfig, train_moe
-from tests.conftest import prepared_model_dir
+from tests.helpers import prepared_model_dir
 
 COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, intermediate_size=48)

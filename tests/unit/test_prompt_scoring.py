@@ -11,7 +11,7 @@ import pytest
 
 from chorus.engines.fake import FakeEngine
 from chorus.engines.generation import SessionEngine
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 
 async def test_session_engines_score_prompts_exactly() -> None:

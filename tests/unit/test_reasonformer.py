@@ -25,7 +25,7 @@ from chorus.engines.families.reasonformer import (
 )
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
-from tests.conftest import prepared_model_dir
+from tests.helpers import prepared_model_dir
 
 
 @pytest.fixture(scope="module")

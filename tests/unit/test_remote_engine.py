@@ -17,17 +17,14 @@ from chorus.engines.remote import RemoteEngine
 from chorus.engines.replicas import ReplicaPool, Retryable, error_from
 from chorus.engines.spec import ModelSpec
 from chorus.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
-from chorus.server.app import create_app
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, gateway
 
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[LiveServer]:
     cfg = ChorusConfig.model_validate({"models": [{"name": "up", "engine": "fake"}, {"name": "flaky", "engine": "fake"}]})
-    srv = LiveServer(create_app(cfg, engines={"up": FakeEngine("up", script="hello from upstream"),
-                                              "flaky": FakeEngine("flaky", script="abcdefghij", fail_after=4)})).start()
-    yield srv
-    srv.stop()
+    with gateway(cfg, engines={"up": FakeEngine("up", script="hello from upstream"), "flaky": FakeEngine("flaky", script="abcdefghij", fail_after=4)}) as srv:
+        yield srv
 
 
 def dead_url() -> str:
@@ -127,16 +124,13 @@ def test_a_gateway_scores_choices_on_a_remote_model(upstream: LiveServer) -> Non
     cfg = ChorusConfig.model_validate({"models": [{"name": "r", "engine": "remote", "max_model_len": 256, "remote": {
         "replicas": [upstream.url + "/v1"], "model": "up", "tokenizer": "unused"}}]})
     remote = RemoteEngine(cfg.models[0], CharTokenizer())
-    gateway = LiveServer(create_app(cfg, engines={"r": remote})).start()
-    try:
+    with gateway(cfg, engines={"r": remote}) as gw:
         body = {"prompt": "hello ", "choices": ["from", "upstream", "there"]}
-        via = httpx.post(gateway.url + "/v1/choices", json={"model": "r", **body}, timeout=30).json()
+        via = httpx.post(gw.url + "/v1/choices", json={"model": "r", **body}, timeout=30).json()
         direct = httpx.post(upstream.url + "/v1/choices", json={"model": "up", **body}, timeout=30).json()
         assert [c["logprob"] for c in via["choices"]] == pytest.approx([c["logprob"] for c in direct["choices"]],
                                                                        abs=1e-5)
         assert via["chosen"] == direct["chosen"]
-    finally:
-        gateway.stop()
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])

@@ -13,8 +13,7 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake import FakeEngine
-from chorus.server.app import create_app
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, gateway
 
 MATH = ["What is 17 times 23?", "Solve for x: 2x + 3 = 11.", "How much is 15% of 80?",
         "A train travels 60 km in 1.5 hours. What is its speed?"]
@@ -46,9 +45,8 @@ def fakes() -> dict[str, FakeEngine]:
 
 @pytest.fixture(scope="module")
 def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(ChorusConfig.model_validate(CONFIG), engines=dict(fakes))).start(timeout=120)
-    yield srv
-    srv.stop()
+    with gateway(ChorusConfig.model_validate(CONFIG), engines=dict(fakes), timeout=120) as srv:
+        yield srv
     assert all(e.active_sessions == 0 for e in fakes.values())
 
 

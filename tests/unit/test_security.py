@@ -13,9 +13,8 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake import FakeEngine
-from chorus.server.app import create_app
 from chorus.server.auth import KeyStore, hash_key
-from tests.conftest import LiveServer, wait_until
+from tests.helpers import LiveServer, gateway, wait_until
 
 CONFIG = {
     "server": {"limits": {"max_concurrent_requests": 3, "max_messages": 4, "max_members": 3, "max_rounds": 2,
@@ -39,9 +38,8 @@ def fakes() -> dict[str, FakeEngine]:
 
 @pytest.fixture(scope="module")
 def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(ChorusConfig.model_validate(CONFIG), engines=dict(fakes), api_keys="ops:sk-env")).start()
-    yield srv
-    srv.stop()
+    with gateway(ChorusConfig.model_validate(CONFIG), engines=dict(fakes), api_keys="ops:sk-env") as srv:
+        yield srv
 
 
 def client(server: LiveServer, key: str = "sk-admin") -> openai.OpenAI:

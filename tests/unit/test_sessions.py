@@ -12,8 +12,7 @@ import torch
 from chorus.config import ChorusConfig
 from chorus.engines.fake import FakeEngine
 from chorus.engines.session_wire import decode_next, next_token
-from chorus.server.app import create_app
-from tests.conftest import LiveServer, wait_until
+from tests.helpers import LiveServer, gateway, wait_until
 
 
 def config(**sessions: object) -> ChorusConfig:
@@ -29,9 +28,8 @@ def engines() -> dict[str, FakeEngine]:
 
 @pytest.fixture(scope="module")
 def worker(engines: dict[str, FakeEngine]) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(config(), engines=dict(engines))).start()
-    yield srv
-    srv.stop()
+    with gateway(config(), engines=dict(engines)) as srv:
+        yield srv
 
 
 S = "/chorus/v1/sessions"
@@ -165,26 +163,19 @@ def test_bad_token_busy_session_and_session_cap(worker: LiveServer, engines: dic
 
 def test_idle_sessions_are_freed() -> None:
     fake = FakeEngine("fake")
-    srv = LiveServer(create_app(config(idle_timeout_s=0.4), engines={"fake": fake, "slow": FakeEngine("slow")})).start()
-    try:
+    with gateway(config(idle_timeout_s=0.4), engines={"fake": fake, "slow": FakeEngine("slow")}) as srv:
         with api(srv) as c:
             sid = c.post(S, json={"model": "fake", "prompt": [1, 2, 3]}).json()["id"]
             assert fake.active_sessions == 1
             assert wait_until(lambda: fake.active_sessions == 0, timeout=5)
             assert c.get(S).json()["expired"] == 1
             assert c.post(f"{S}/{sid}/step", json={"token": 1}).status_code == 404
-    finally:
-        srv.stop()
 
 
 def test_session_api_needs_a_key_when_keys_are_set() -> None:
     cfg = config()
-    srv = LiveServer(create_app(cfg, engines={"fake": FakeEngine("fake"), "slow": FakeEngine("slow")},
-                                api_keys="gw:secret-key-123")).start()
-    try:
+    with gateway(cfg, engines={"fake": FakeEngine("fake"), "slow": FakeEngine("slow")}, api_keys="gw:secret-key-123") as srv:
         with api(srv) as c:
             assert c.post(S, json={"model": "fake", "prompt": [1]}).status_code == 401
             ok = c.post(S, json={"model": "fake", "prompt": [1]}, headers={"Authorization": "Bearer secret-key-123"})
             assert ok.status_code == 200
-    finally:
-        srv.stop()

@@ -63,21 +63,11 @@ def test_metrics_report_the_latest_running_app_and_fall_back_when_it_stops() -> 
     app's /metrics reporting the stopped app's engines."""
     import httpx
 
-    from chorus.config import ChorusConfig
     from chorus.engines.fake import FakeEngine
-    from chorus.server.app import create_app
-    from tests.conftest import LiveServer
+    from tests.helpers import serve_fakes
 
-    def app(name: str) -> LiveServer:
-        config = ChorusConfig.model_validate({"models": [{"name": name, "engine": "fake"}]})
-        return LiveServer(create_app(config, engines={name: FakeEngine(name)})).start()
-
-    first = app("first-app-model")
-    try:
-        second = app("second-app-model")
-        assert 'model="second-app-model"' in httpx.get(first.url + "/metrics").text
-        second.stop()
+    with serve_fakes({"first-app-model": FakeEngine("first-app-model")}) as first:
+        with serve_fakes({"second-app-model": FakeEngine("second-app-model")}):
+            assert 'model="second-app-model"' in httpx.get(first.url + "/metrics").text
         text = httpx.get(first.url + "/metrics").text
         assert 'chorus_engine_active_sessions{model="first-app-model"}' in text and "second-app-model" not in text
-    finally:
-        first.stop()

@@ -18,8 +18,7 @@ from pydantic import BaseModel, Field
 
 from chorus.engines.constraint import bounded
 from chorus.engines.fake import FakeEngine
-from tests.conftest import LiveServer
-from tests.unit.conftest import serve_fakes
+from tests.helpers import LiveServer, serve_fakes
 
 USER = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},

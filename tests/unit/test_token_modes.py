@@ -209,7 +209,7 @@ def test_http_modes_trace_usage_and_prompt_ensembles(client: openai.OpenAI, serv
 def test_disconnect_mid_stream_frees_every_member(server, fakes, mode: str) -> None:  # type: ignore[no-untyped-def]
     import httpx
 
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     slow = fakes["slow"]
     extra = {"gate": 1.0} if mode == "selective" else {"k": 3}

@@ -18,8 +18,7 @@ from pydantic import BaseModel, Field
 from chorus.engines import tool_calls
 from chorus.engines.base import Tools
 from chorus.engines.fake import FakeEngine
-from tests.conftest import LiveServer
-from tests.unit.conftest import serve_fakes
+from tests.helpers import LiveServer, serve_fakes
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 USER = [{"role": "user", "content": "hi"}]
 

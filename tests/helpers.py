@@ -1,0 +1,118 @@
+"""What tests share (imported from here; conftest files hold only fixtures): a real uvicorn server on
+127.0.0.1 in a background thread, one way to start a gateway over given engines, the fake-engine config,
+waiting for a condition, and finding or requiring prepared models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from chorus.config import ChorusConfig
+from chorus.engines.base import Engine
+from chorus.engines.spec import chorus_home
+from chorus.server.app import create_app
+
+SMOL = "smollm2-135m-instruct"
+GEMMA = "gemma-3-270m"
+
+
+class LiveServer:
+    """Runs an app under uvicorn on an ephemeral 127.0.0.1 port until ``stop()``."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("live server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@contextmanager
+def gateway(config: ChorusConfig | dict[str, Any], engines: dict[str, Engine] | None = None, *,
+            timeout: float = 120.0, **app_options: Any) -> Iterator[LiveServer]:
+    """A live gateway: ``create_app(config, engines=..., **app_options)`` behind uvicorn, stopped on exit.
+    ``engines``: prebuilt engines by model name (the others are loaded from the config)."""
+    cfg = config if isinstance(config, ChorusConfig) else ChorusConfig.model_validate(config)
+    kwargs = {"engines": dict(engines)} if engines is not None else {}
+    srv = LiveServer(create_app(cfg, **kwargs, **app_options)).start(timeout=timeout)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def fakes_config(engines: dict[str, Engine], ensembles: list[dict[str, Any]] | None = None,
+                 **sections: Any) -> ChorusConfig:
+    """A config whose models are these fake engines (each a model of the same name), with named ensembles."""
+    return ChorusConfig.model_validate({"models": [{"name": n, "engine": "fake"} for n in engines],
+                                        "ensembles": ensembles or [], **sections})
+
+
+def serve_fakes(engines: dict[str, Engine], ensembles: list[dict[str, Any]] | None = None,
+                **app_options: Any) -> Any:
+    """A live gateway over these fake engines and named ensembles (a context manager)."""
+    return gateway(fakes_config(engines, ensembles), engines, **app_options)
+
+
+def fake_config(max_body_bytes: int = 64 * 1024) -> ChorusConfig:
+    return ChorusConfig.model_validate({
+        "server": {"limits": {"max_body_bytes": max_body_bytes, "max_n": 8}},
+        "models": [{"name": "fake", "engine": "fake"}, {"name": "scripted", "engine": "fake"},
+                   {"name": "slow", "engine": "fake"}, {"name": "broken", "engine": "fake"}],
+    })
+
+
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip the test unless ``ok``; under ``CI=true`` fail instead: CI installs and prepares everything the suite
+    needs, so a missing part there is a broken set-up, not a reason to skip."""
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: a test that needs it must run there, not skip)")
+    pytest.skip(reason)
+
+
+def prepared_model_dir(name: str) -> Path:
+    """A prepared default model's checkpoint, found through ``$CHORUS_HOME`` (`chorus_home`)."""
+    d = chorus_home() / "models" / name
+    require((d / "tokenizer.json").is_file(), f"needs the prepared {name} in {d} (make test prepares it)")
+    return d
