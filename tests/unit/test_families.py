@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from chorus.engines.batching import BatchRunner
-from chorus.engines.families.checkpoint import tiny_llama
 from chorus.engines.families.graft import GraftConfig, graft
 from chorus.engines.families.modr import (
     MoDrConfig,
@@ -27,17 +26,6 @@ from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
 from chorus.training.modr import TrainConfig, train_modr
-from tests.helpers import prepared_model_dir
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "base", layers=5)
-
-
-@pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(0))
 
 
 def logits_of(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -295,14 +283,13 @@ async def test_modr_adaptive_exit_uses_fewer_steps(base: Path) -> None:
     assert trace["modr"]["choices"] == []
 
 
-def test_modr_checkpoint_round_trip_and_training_lowers_loss(base: Path, tmp_path: Path) -> None:
+def test_modr_checkpoint_round_trip_and_training_lowers_loss(base: Path, tmp_path: Path, tokenized_base: Path) -> None:
     words = "the cat sat on the mat and the dog sat on the log while the bird sang in the tree".split()
     rows = [{"text": " ".join(words[i % 5:] + words[: i % 5])} for i in range(60)]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     # the tiny base has no tokenizer of its own: borrow a byte-level one only if present, else skip
-    tok_src = prepared_model_dir("smollm2-135m-instruct")
-    tbase = tiny_llama(tmp_path / "tbase", layers=5, vocab=49152, tokenizer_from=tok_src)
+    tbase = tokenized_base
     summary = train_modr(tbase, data, tmp_path / "modr", TrainConfig(steps=25, batch_size=4, seq_len=16, lr=3e-3,
                                                                      mean_recurrence=2, bptt=1, log_every=100),
                          modr={"prelude": (0, 1), "core": (1, 4), "coda": (4, 5), "rank": 4, "alpha": 4.0,

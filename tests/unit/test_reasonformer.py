@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from chorus.engines.batching import BatchRunner
-from chorus.engines.families.checkpoint import tiny_llama
 from chorus.engines.families.reasonformer import (
     Decision,
     ReasonFormerConfig,
@@ -25,17 +24,6 @@ from chorus.engines.families.reasonformer import (
 )
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.errors import BuildError, InvalidRequest
-from tests.helpers import prepared_model_dir
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "base", layers=5)
-
-
-@pytest.fixture(scope="module")
-def ids() -> torch.Tensor:
-    return torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(0))
 
 
 def base_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -233,14 +221,13 @@ def test_mc_rows_read_as_their_answer_and_row_slices(tmp_path: Path) -> None:
         parse_rows(f"{data}@x")
 
 
-def test_two_stage_training_and_the_plain_lora_baseline(base: Path, tmp_path: Path) -> None:
+def test_two_stage_training_and_the_plain_lora_baseline(base: Path, tmp_path: Path, tokenized_base: Path) -> None:
     """Stage 1 (each skill on its own data) and stage 2 (router, gates, skills on mixed data) lower the held-out
     loss; the router learns to tell the two tasks apart; the baseline merges into a dense checkpoint that loads
     as a plain model."""
     from chorus.training.reasonformer import TrainConfig, train_plain_lora, train_reasonformer
 
-    tok_src = prepared_model_dir("smollm2-135m-instruct")
-    tbase = tiny_llama(tmp_path / "tbase", layers=5, vocab=49152, tokenizer_from=tok_src)
+    tbase = tokenized_base
     words = "the cat sat on the mat and the dog sat on the log".split()
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": " ".join(words[i % 4:] + words[: i % 4])})
                                                for i in range(40)))
