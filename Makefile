@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen serve test unit check wheel-smoke bench bench-gpu gpu-wheels clean
+.PHONY: install models models-qwen serve test unit check wheel-smoke docs figures bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,19 @@ unit: install
 # ruff, the import-linter layer contracts and mypy (scripts/check); CI runs it after `make test`
 check: install
 	BIN=$(abspath $(BIN)) bash scripts/check
+
+DOCS_STAMP := $(VENV)/.chorus-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+# the documentation site (mkdocs, Material theme) into build/site; --strict: a broken link or anchor fails
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# the figures of the Benchmarks and Evidence pages, from the saved results in docs/data/
+figures: $(DOCS_STAMP)
+	$(BIN)/python scripts/figures
 
 # the built wheel in a fresh venv: imports and serves (scripts/wheel-smoke); CI runs it too
 wheel-smoke:
