@@ -82,17 +82,17 @@ def serve(args: argparse.Namespace) -> int:
         ``shutdown_grace_s``, then stop (uvicorn cancels what is left). A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            door = app.state.door
-            if door.draining:
+            admission = app.state.admission
+            if admission.draining:
                 super().handle_exit(sig, frame)  # type: ignore[arg-type]
                 return
-            door.draining = True
-            print(f"chorus: draining: {door.inflight} request(s) in flight, up to {grace:g} s", file=sys.stderr,
+            admission.draining = True
+            print(f"chorus: draining: {admission.inflight} request(s) in flight, up to {grace:g} s", file=sys.stderr,
                   flush=True)
 
             def drain() -> None:
                 deadline = time.monotonic() + grace
-                while door.inflight > 0 and time.monotonic() < deadline:
+                while admission.inflight > 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 super(Server, self).handle_exit(sig, frame)  # type: ignore[arg-type]
 

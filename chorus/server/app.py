@@ -20,7 +20,7 @@ from chorus.server import errors
 from chorus.server.auth import KeyStore
 from chorus.server.choices import router as choices_router
 from chorus.server.fastpath import FastPath
-from chorus.server.gateway import Door, Gateway
+from chorus.server.gateway import Admission, Gateway
 from chorus.server.limits import BodyLimit
 from chorus.server.metrics import watch_engines
 from chorus.server.routes import router
@@ -80,6 +80,6 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
     app.state.keys = keys
-    app.state.door = Door()
-    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, door=app.state.door)  # outermost
+    app.state.admission = Admission()
+    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission)  # outermost
     return app

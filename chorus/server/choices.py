@@ -22,8 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from chorus.ensembles.call import Prompt
 from chorus.ensembles.choice_scores import COMBINES, ChoiceAnswer, ChoiceQuestion
 from chorus.errors import InvalidRequest
-from chorus.server import ensemble_calls
-from chorus.server import protocol as P
+from chorus.server import ensemble_calls, protocol
 from chorus.server.accounting import served_by, settle
 from chorus.server.routes import resolve
 from chorus.server.streaming import until_disconnect
@@ -36,7 +35,7 @@ class ChoicesRequest(BaseModel):
 
     model: str = Field(min_length=1)
     prompt: str | None = Field(default=None, description="text the choices continue")
-    messages: list[P.ChatMessage] | None = Field(default=None, description="or: a chat, rendered with the template")
+    messages: list[protocol.ChatMessage] | None = Field(default=None, description="or: a chat, rendered with the template")
     choices: list[str] = Field(description="the candidate continuations")
     normalisations: list[str] | None = Field(
         default=None, description="which probabilities to return (default all: sum, mean, char, unconditional)")
@@ -75,7 +74,7 @@ async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
         ensemble_calls.admit(request, req, ensemble)
         call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text))
         answer = await until_disconnect(request, ensemble.score_choices(call, question, req.combine))
-        usage = P.usage(call.usage.prompt_tokens, 0)
+        usage = protocol.usage(call.usage.prompt_tokens, 0)
     else:
         if req.combine is not None:
             raise InvalidRequest("'combine' applies to ensembles only.", param="combine")
@@ -84,14 +83,14 @@ async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
         engine = resolve(request, req.model)
         served_by(request, req.model, body=req)
         answer, tokens = await until_disconnect(request, question.answer(engine))
-        usage = P.usage(tokens, 0)
+        usage = protocol.usage(tokens, 0)
     settle(request, req.model, usage)
     return reply(req, answer, usage)
 
 
 def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": P.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
+        "id": protocol.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
         "choices": [{"index": i, "text": text,
                      "logprob": None if answer.logprobs is None else answer.logprobs[i],
                      "tokens": None if answer.tokens is None else answer.tokens[i],

@@ -21,9 +21,9 @@ from chorus.ensembles.base import Ensemble
 from chorus.ensembles.call import Call, Prompt
 from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import InvalidRequest
-from chorus.server import protocol as P
+from chorus.server import protocol
 from chorus.server.accounting import served_by
-from chorus.server.replies import Work, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.replies import ReplyPlan, chat_reply, completion_reply, nothing, nothing_streamed
 from chorus.server.streaming import until_disconnect
 
 
@@ -55,17 +55,17 @@ def fingerprint(ensemble: Ensemble) -> str:
     return "fp_ens_" + hashlib.sha256(spec.encode()).hexdigest()[:8]
 
 
-def start_call(ensemble: Ensemble, req: P.ChatCompletionRequest | P.CompletionRequest, prompt: Prompt) -> Call:
+def start_call(ensemble: Ensemble, req: protocol.ChatCompletionRequest | protocol.CompletionRequest, prompt: Prompt) -> Call:
     return ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
 
 
-def work_of(ensemble: Ensemble, call: Call) -> Work:
+def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:
     """The call as the response tail's work. ``usage`` sums every member call; token-level strategies
     produce their first token before the first byte is sent (so their errors are HTTP errors), text-level
     ones start the SSE stream at once (pings keep it open while members work) and report a failure as the
     final error event. With ``"trace": true`` the response carries an ``ensemble`` object."""
-    return Work([lambda: ensemble.run(call)], [lambda: ensemble.stream(call)],
-                usage=lambda _completion: P.usage(call.usage.prompt_tokens, call.usage.completion_tokens),
+    return ReplyPlan([lambda: ensemble.run(call)], [lambda: ensemble.stream(call)],
+                usage=lambda _completion: protocol.usage(call.usage.prompt_tokens, call.usage.completion_tokens),
                 trailer=lambda: {"ensemble": call.final_trace()} if ensemble.spec.trace else {},
                 prefetch=ensemble.strategy.token_level)
 
@@ -94,14 +94,14 @@ def check_limits(limits: Limits, ensemble: Ensemble) -> None:
                              f"(got {budget.candidates}).", param="ensemble.candidates")
 
 
-async def chat(request: Request, req: P.ChatCompletionRequest, ensemble: Ensemble) -> Response:
+async def chat(request: Request, req: protocol.ChatCompletionRequest, ensemble: Ensemble) -> Response:
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
-    return await chat_reply(request, req, P.ResponseHead("chatcmpl", req.model, fingerprint(ensemble)),
+    return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(ensemble)),
                             work_of(ensemble, call))
 
 
-async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensemble) -> Response:
+async def completion(request: Request, req: protocol.CompletionRequest, ensemble: Ensemble) -> Response:
     prompts = req.prompts()
     if len(prompts) != 1 or not isinstance(prompts[0], str):
         raise InvalidRequest("With an ensemble, 'prompt' must be one string (members may tokenize differently).",
@@ -112,11 +112,11 @@ async def completion(request: Request, req: P.CompletionRequest, ensemble: Ensem
     if req.echo and (req.logprobs is not None or req.max_tokens == 0):  # score the prompt under the ensemble
         tokens, lps = await until_disconnect(request, ensemble.strategy.prompt_logprobs(call, req.logprobs or 0))
         if req.logprobs is not None:
-            scored = [P.prompt_logprobs(tokens, lps)]
+            scored = [protocol.prompt_logprobs(tokens, lps)]
         if req.max_tokens == 0:
             first = call.request(ensemble.strategy.members[0])
-            work = Work([functools.partial(nothing, first, req.n, call.usage.prompt_tokens)],
+            work = ReplyPlan([functools.partial(nothing, first, req.n, call.usage.prompt_tokens)],
                         [functools.partial(nothing_streamed, req.n)],
                         usage=work.usage, trailer=work.trailer)
-    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(ensemble)),
+    return await completion_reply(request, req, protocol.ResponseHead("cmpl", req.model, fingerprint(ensemble)),
                                   work, [prompts[0] if req.echo else ""], scored)

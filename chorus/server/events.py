@@ -8,7 +8,7 @@ from typing import Any
 
 from chorus.engines.base import Delta
 from chorus.errors import GatewayError
-from chorus.server import protocol as P
+from chorus.server import protocol
 
 
 async def first_and_rest(stream: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
@@ -33,7 +33,7 @@ async def first_and_rest(stream: AsyncGenerator[Delta, None]) -> AsyncGenerator[
     return rest()
 
 
-async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None], req: P.ChatCompletionRequest,
+async def chat_events(head: protocol.ResponseHead, deltas: AsyncGenerator[Delta, None], req: protocol.ChatCompletionRequest,
                       usage: Callable[[int], dict[str, int]],
                       trailer: Callable[[], dict[str, Any]] | None = None,
                       settle: Callable[[dict[str, int]], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
@@ -41,7 +41,7 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None],
     ``settle`` gets the usage when the stream ends, however it ends (token accounting)."""
     usage_null = {"usage": None} if req.include_usage else {}
     for i in range(req.n):
-        yield {**P.chat_chunk(head, None, index=i), **usage_null}
+        yield {**protocol.chat_chunk(head, None, index=i), **usage_null}
     completion = 0
     held: dict[int, list[Delta]] = {}  # with tools: a choice's deltas until it is known whether it calls
     try:
@@ -50,10 +50,10 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None],
             if req.tool_set is not None:
                 held.setdefault(d.index, []).append(d)
                 if d.finish_reason:
-                    for chunk in P.chat_tool_chunks(head, held.pop(d.index), req.tool_set, req.logprobs):
+                    for chunk in protocol.chat_tool_chunks(head, held.pop(d.index), req.tool_set, req.logprobs):
                         yield {**chunk, **usage_null}
             elif d.text or d.finish_reason or (req.logprobs and d.logprobs):
-                yield {**P.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
+                yield {**protocol.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
     finally:
         await deltas.aclose()  # frees the sessions now, not at GC
         if settle is not None:
@@ -63,8 +63,8 @@ async def chat_events(head: P.ResponseHead, deltas: AsyncGenerator[Delta, None],
         yield {**head.base("chat.completion.chunk"), "choices": [], **last}
 
 
-async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[Delta, None]], echoes: list[str],
-                            req: P.CompletionRequest, usage: Callable[[int], dict[str, int]],
+async def completion_events(head: protocol.ResponseHead, streams: list[AsyncGenerator[Delta, None]], echoes: list[str],
+                            req: protocol.CompletionRequest, usage: Callable[[int], dict[str, int]],
                             trailer: Callable[[], dict[str, Any]] | None = None,
                             settle: Callable[[dict[str, int]], None] | None = None,
                             scored: list[dict[str, Any]] | None = None) -> AsyncGenerator[dict[str, Any], None]:
@@ -90,7 +90,7 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[D
         for p, echo in enumerate(echoes):
             for i in range(req.n if echo else 0):
                 yield {**head.base("text_completion"),
-                       "choices": [P.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)]}
+                       "choices": [protocol.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)]}
         while done < len(tasks):
             p, item = await queue.get()
             if item is None:
@@ -99,9 +99,9 @@ async def completion_events(head: P.ResponseHead, streams: list[AsyncGenerator[D
             if isinstance(item, BaseException):
                 raise item
             completion += len(item.token_ids)
-            lps = P.completion_logprobs(item.logprobs) if req.logprobs is not None else None
+            lps = protocol.completion_logprobs(item.logprobs) if req.logprobs is not None else None
             yield {**head.base("text_completion"),
-                   "choices": [P.completion_choice(p * req.n + item.index, item.text, item.finish_reason, lps)]}
+                   "choices": [protocol.completion_choice(p * req.n + item.index, item.text, item.finish_reason, lps)]}
         last = {**({"usage": usage(completion)} if req.include_usage else {}), **(trailer() if trailer else {})}
         if last:
             yield {**head.base("text_completion"), "choices": [], **last}

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from chorus.server import protocol as P
+from chorus.server import protocol
 from chorus.server.errors import error_response
 from chorus.server.replies import json_response
 from chorus.server.routes import chat_completions, completions
@@ -25,9 +25,9 @@ from chorus.server.routes import chat_completions, completions
 class FastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.routes: dict[str, tuple[type[P._Sampling], Callable[..., Awaitable[Any]]]] = {
-            "/v1/chat/completions": (P.ChatCompletionRequest, chat_completions),
-            "/v1/completions": (P.CompletionRequest, completions),
+        self.routes: dict[str, tuple[type[protocol.CompletionFields], Callable[..., Awaitable[Any]]]] = {
+            "/v1/chat/completions": (protocol.ChatCompletionRequest, chat_completions),
+            "/v1/completions": (protocol.CompletionRequest, completions),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's front door, one ASGI middleware around every request.
+"""The gateway's front admission, one ASGI middleware around every request.
 
 For every request: a request id (``X-Request-ID`` accepted if sane, else generated; echoed on the
 response), one structured access-log line, and the request metrics. For ``/v1/*`` requests, before any
@@ -29,7 +29,7 @@ log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-class Door:
+class Admission:
     """State shared by the middleware and the app: requests in flight, and draining on shutdown."""
 
     def __init__(self) -> None:
@@ -38,11 +38,11 @@ class Door:
 
 
 class Gateway:
-    def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, door: Door) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, admission: Admission) -> None:
         self.app = app
         self.keys = keys
         self.limits = limits
-        self.door = door
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,7 +78,7 @@ class Gateway:
             await self.app(scope, receive, send_with_id)
         finally:
             if admitted:
-                self.door.inflight -= 1
+                self.admission.inflight -= 1
                 INFLIGHT.dec()
                 if principal is not None:
                     principal.release()
@@ -93,10 +93,10 @@ class Gateway:
                                        **({"prompt": state["prompt"]} if "prompt" in state else {})})
 
     def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
-        if self.door.draining:
+        if self.admission.draining:
             raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
         principal = self.keys.authenticate(headers.get("authorization")) if self.keys.enabled else None
-        if self.door.inflight >= self.limits.max_concurrent_requests:
+        if self.admission.inflight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)
         if principal is not None:
@@ -115,6 +115,6 @@ class Gateway:
         state["principal"] = principal
         state["deadline"] = asyncio.get_running_loop().time() + timeout
         state["timeout"] = timeout
-        self.door.inflight += 1
+        self.admission.inflight += 1
         INFLIGHT.inc()
         return principal

@@ -42,7 +42,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class _Sampling(FamilyFields):
+class CompletionFields(FamilyFields):
     """Fields shared by chat and text completions, the model families' request fields among them (declared by each
     family: `FamilyFields`). Unknown fields are ignored, as OpenAI-compatible servers do."""
 
@@ -101,7 +101,7 @@ class _Sampling(FamilyFields):
         return self._tools
 
     @model_validator(mode="after")
-    def _stream_options(self) -> _Sampling:
+    def _stream_options(self) -> CompletionFields:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         return self
@@ -154,7 +154,7 @@ class _Sampling(FamilyFields):
         )
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(CompletionFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -201,7 +201,7 @@ class ChatCompletionRequest(_Sampling):
                              options=self.family_options, trace={} if self.trace else None)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(CompletionFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)

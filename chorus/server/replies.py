@@ -1,7 +1,7 @@
 """The response tail every completion shares, single model or ensemble: run or stream the work, then
 OpenAI JSON (usage, ``n`` choices, the trace trailer) or SSE chunks, with the key charged once.
 
-A route builds a `Work` (how to answer each prompt whole or as a stream, the prompt tokens, the trailer)
+A route builds a `ReplyPlan` (how to answer each prompt whole or as a stream, the prompt tokens, the trailer)
 and hands it to `chat_reply` or `completion_reply`. Streams are opened before the first byte: their
 first delta is pulled under the client's disconnect watch, so prefill and validation errors are HTTP
 errors; text-level ensembles (``prefetch=False``) start the SSE stream at once instead and report a
@@ -20,14 +20,14 @@ from pydantic_core import to_json
 from starlette.responses import Response
 
 from chorus.engines.base import Choice, Delta, Generation, GenerationRequest, TokenLogprob
-from chorus.server import protocol as P
+from chorus.server import protocol
 from chorus.server.accounting import first_token, settle
 from chorus.server.events import chat_events, completion_events, first_and_rest
 from chorus.server.streaming import sse_response, until_disconnect
 
 
 @dataclass
-class Work:
+class ReplyPlan:
     """What answers a request: per prompt, a whole generation or a stream of deltas."""
 
     generate: list[Callable[[], Awaitable[Generation]]]
@@ -44,7 +44,7 @@ def json_response(body: dict[str, Any]) -> Response:
     return Response(to_json(body), media_type="application/json")
 
 
-async def open_streams(request: Request, work: Work) -> list[AsyncGenerator[Delta, None]]:
+async def open_streams(request: Request, work: ReplyPlan) -> list[AsyncGenerator[Delta, None]]:
     if not work.prefetch:
         return [open_() for open_ in work.stream]
     opened = await until_disconnect(request, asyncio.gather(
@@ -59,11 +59,11 @@ async def open_streams(request: Request, work: Work) -> list[AsyncGenerator[Delt
     return streams
 
 
-async def chat_reply(request: Request, req: P.ChatCompletionRequest, head: P.ResponseHead, work: Work) -> Response:
+async def chat_reply(request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan) -> Response:
     model = request.state.model
     if not req.stream:
         gen = await until_disconnect(request, work.generate[0]())
-        body = {**P.chat_response(head, gen, req.tool_set), **work.trailer()}
+        body = {**protocol.chat_response(head, gen, req.tool_set), **work.trailer()}
         settle(request, model, body["usage"])
         return json_response(body)
     (deltas,) = await open_streams(request, work)
@@ -71,7 +71,7 @@ async def chat_reply(request: Request, req: P.ChatCompletionRequest, head: P.Res
                                     settle=lambda u: settle(request, model, u)), request)
 
 
-async def completion_reply(request: Request, req: P.CompletionRequest, head: P.ResponseHead, work: Work,
+async def completion_reply(request: Request, req: protocol.CompletionRequest, head: protocol.ResponseHead, work: ReplyPlan,
                            echoes: list[str], scored: list[dict[str, Any]] | None = None) -> Response:
     """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i.
     ``scored[p]``: prompt p's token logprobs (``echo`` with ``logprobs``), before the completion's."""
@@ -81,10 +81,10 @@ async def completion_reply(request: Request, req: P.CompletionRequest, head: P.R
         choices = []
         for p, gen in enumerate(gens):
             for c in gen.choices:
-                lps = P.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
-                lps = P.joined_logprobs(scored[p] if scored else None, lps)
-                choices.append(P.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
-        body = {**P.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
+                lps = protocol.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
+                lps = protocol.joined_logprobs(scored[p] if scored else None, lps)
+                choices.append(protocol.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
+        body = {**protocol.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                         sum(g.completion_tokens for g in gens)), **work.trailer()}
         settle(request, model, body["usage"])
         return json_response(body)

@@ -14,10 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from chorus.engines.base import TOOLS, ChoiceScorer, Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
 from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
-from chorus.server import ensemble_calls
-from chorus.server import protocol as P
+from chorus.server import ensemble_calls, protocol
 from chorus.server.accounting import served_by
-from chorus.server.replies import Work, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.replies import ReplyPlan, chat_reply, completion_reply, nothing, nothing_streamed
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -67,9 +66,9 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
     return card
 
 
-def apply_limits(request: Request, req: P.ChatCompletionRequest | P.CompletionRequest) -> None:
+def apply_limits(request: Request, req: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> None:
     limits = request.app.state.config.server.limits
-    if isinstance(req, P.ChatCompletionRequest) and len(req.messages) > limits.max_messages:
+    if isinstance(req, protocol.ChatCompletionRequest) and len(req.messages) > limits.max_messages:
         raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.", param="messages")
     if req.n > limits.max_n:
         raise InvalidRequest(f"'n' must be at most {limits.max_n} on this server.", param="n")
@@ -85,8 +84,8 @@ def fingerprint(engine: Engine) -> str:
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any] | JSONResponse:
     body = {"status": "ok", "models": {n: e.stats() for n, e in engines(request).items()},
-            "ensembles": sorted(ensembles(request)), "inflight": request.app.state.door.inflight}
-    if request.app.state.door.draining:  # load balancers stop sending; in-flight requests finish
+            "ensembles": sorted(ensembles(request)), "inflight": request.app.state.admission.inflight}
+    if request.app.state.admission.draining:  # load balancers stop sending; in-flight requests finish
         return JSONResponse({**body, "status": "draining"}, status_code=503)
     return body
 
@@ -110,7 +109,7 @@ async def get_model(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(req: protocol.ChatCompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
@@ -118,13 +117,13 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Re
     engine = generator(request, req.model)
     served_by(request, req.model, body=req)
     gen_req = req.to_generation_request(engine)
-    work = Work([lambda: engine.generate(gen_req)], [lambda: engine.stream(gen_req)],
-                usage=lambda completion: P.usage(len(gen_req.prompt_ids), completion), trailer=trace_of([gen_req]))
-    return await chat_reply(request, req, P.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work)
+    work = ReplyPlan([lambda: engine.generate(gen_req)], [lambda: engine.stream(gen_req)],
+                usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion), trailer=trace_of([gen_req]))
+    return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work)
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(req: P.CompletionRequest, request: Request) -> Response:
+async def completions(req: protocol.CompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
@@ -134,20 +133,20 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     gen_reqs = req.to_generation_requests(engine)
     prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)
     echo_only = req.max_tokens == 0  # the prompt is scored, nothing is generated
-    work = Work([functools.partial(nothing, g, req.n) if echo_only else functools.partial(engine.generate, g)
+    work = ReplyPlan([functools.partial(nothing, g, req.n) if echo_only else functools.partial(engine.generate, g)
                  for g in gen_reqs],
                 [functools.partial(nothing_streamed, req.n) if echo_only else functools.partial(engine.stream, g)
                  for g in gen_reqs],
-                usage=lambda completion: P.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
+                usage=lambda completion: protocol.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
     echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
     scored = None
     if req.echo and req.logprobs is not None:  # log-likelihood scoring: every prompt token's logprob
         k = req.logprobs
         lps = await until_disconnect(request, asyncio.gather(*(engine.prompt_logprobs(g.prompt_ids, k)
                                                                for g in gen_reqs)))
-        scored = [P.prompt_logprobs([engine.tokenizer.decode([t]) for t in g.prompt_ids], lp)
+        scored = [protocol.prompt_logprobs([engine.tokenizer.decode([t]) for t in g.prompt_ids], lp)
                   for g, lp in zip(gen_reqs, lps)]
-    return await completion_reply(request, req, P.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes,
+    return await completion_reply(request, req, protocol.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes,
                                   scored)
 
 

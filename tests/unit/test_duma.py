@@ -158,7 +158,7 @@ def test_prompts_are_what_chorus_eval_sends(tmp_path: Path) -> None:
     from chorus.clients.eval_choices import load_items
 
     rows = [{"question": "q1?", "choices": ["a", "b"], "label": 0}, {"goal": "g", "choices": ["a", "b"], "label": 1},
-            {"context": "He opened the", "choices": ["door", "b"], "label": 0},
+            {"context": "He opened the", "choices": ["admission", "b"], "label": 0},
             {"context": "A passage.", "question": "Why?", "choices": ["a", "b"], "label": 1}]
     path = write_jsonl(tmp_path / "mc.jsonl", rows)
     assert [i.prompt for i in read_items(path)] == [i.prompt for i in load_items(path, 0, None)]

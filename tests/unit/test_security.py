@@ -179,15 +179,15 @@ def test_access_log_has_the_request_id_and_no_prompt(server: LiveServer, caplog:
 
 
 def test_draining(server: LiveServer) -> None:
-    door = server.app.state.door
-    door.draining = True
+    admission = server.app.state.admission
+    admission.draining = True
     try:
         h = httpx.get(server.url + "/health")
         assert h.status_code == 503 and h.json()["status"] == "draining"
         r = httpx.post(server.url + "/v1/chat/completions", json={}, headers={"Authorization": "Bearer sk-admin"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
     finally:
-        door.draining = False
+        admission.draining = False
 
 
 def test_env_keys() -> None:
