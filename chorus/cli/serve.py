@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import threading
@@ -98,6 +99,10 @@ def serve(args: argparse.Namespace) -> int:
 
             threading.Thread(target=drain, name="chorus-drain", daemon=True).start()
 
+    # Everything loaded so far (torch, models, tokenizers) lives as long as the process: frozen out of the
+    # collector's generations, a full collection no longer walks it (measured: chorus bench gateway, c=32).
+    gc.collect()
+    gc.freeze()
     Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level or config.server.log.level,
                           access_log=False, timeout_graceful_shutdown=max(1, int(grace)),
                           log_config=None)).run()
