@@ -35,7 +35,9 @@ class Limits(BaseModel):
     max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
     max_candidates: int = Field(default=64, ge=1, description="crowd_vote candidates (given or sampled)")
     max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503")
-    request_timeout_s: float = Field(default=600.0, gt=0, description="deadline per request (X-Chorus-Timeout lowers it)")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="deadline per request (X-Chorus-Timeout lowers it)"
+    )
 
 
 class LogSection(BaseModel):
@@ -94,7 +96,9 @@ class ChorusConfig(BaseModel):
     server: ServerSection = Field(default_factory=ServerSection)
     models: list[ModelSpec] = Field(min_length=1)
     auth: AuthSection = Field(default_factory=AuthSection)
-    strategies: dict[str, str] = Field(default_factory=dict, description='third-party strategies: name -> "module:Class"')
+    strategies: dict[str, str] = Field(
+        default_factory=dict, description='third-party strategies: name -> "module:Class"'
+    )
     ensembles: list[NamedEnsemble] = Field(default_factory=list, description="named ensembles, served as models")
 
     @model_validator(mode="after")

@@ -24,8 +24,13 @@ from typing import Any
 
 from chorus.clients.local import markdown_table
 
-PROMPT = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
-                                      "many clips in May. How many clips did Natalia sell altogether in April and May?"}]
+PROMPT = [
+    {
+        "role": "user",
+        "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
+        "many clips in May. How many clips did Natalia sell altogether in April and May?",
+    }
+]
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
@@ -119,7 +124,9 @@ def bench_rouge(candidates: int, words: int, char_pairs: int, seed: int = 0) -> 
     ref_t_w = time.perf_counter() - t0
     sample = rng.sample(pairs, min(char_pairs, len(pairs)))  # pure-Python character LCS: minutes for all pairs
     t0 = time.perf_counter()
-    ref_c = {(i, j): rouge_scorer._score_lcs(list(texts[j].lower()), list(texts[i].lower())).fmeasure for i, j in sample}
+    ref_c = {
+        (i, j): rouge_scorer._score_lcs(list(texts[j].lower()), list(texts[i].lower())).fmeasure for i, j in sample
+    }
     ref_t_c = (time.perf_counter() - t0) / len(sample) * len(pairs)
     diff = max(max(abs(ours_w[p] - v) for p, v in ref_w.items()), max(abs(ours_c[p] - v) for p, v in ref_c.items()))
     rows = [["word ROUGE-L", f"{ref_t_w:.2f}", f"{t_w:.4f}", f"{ref_t_w / t_w:.0f}x"],

@@ -115,7 +115,10 @@ def main(args: argparse.Namespace) -> int:
         rates = await _routing_overhead(modr, 32, args.recurrence, max(6, 3 * args.rounds))
         best = {k: max(v) for k, v in rates.items()}
         med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"\n### MoDr routing overhead ({args.modr}, batch 1, 32-token runs, {len(rates[True])} interleaved rounds)\n")
+        print(
+            f"\n### MoDr routing overhead ({args.modr}, batch 1, 32-token runs, "
+            f"{len(rates[True])} interleaved rounds)\n"
+        )
         print(markdown_table(["variant", "recurrence", "best tok/s", "median tok/s", "best vs no branches"], [
             ["no branches (plain recurrent core)", args.recurrence, f"{best[False]:.2f}", f"{med[False]:.2f}", "1.00x"],
             [f"{modr.model.cfg.branches} routed LoRA branches (rank {modr.model.cfg.rank})", args.recurrence,

@@ -52,7 +52,9 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             speed = {"bias_speed": args.bias_speed} if router == "deepseek" else {}
             out.append((f"{router}-{e}", {"router": router, "experts": e, **speed}))
     if "deepseek" in args.routers.split(",") and not args.no_control:
-        out.append((f"deepseek-{counts[0]}-frozen-bias", {"router": "deepseek", "experts": counts[0], "bias_speed": 0.0}))
+        out.append(
+            (f"deepseek-{counts[0]}-frozen-bias", {"router": "deepseek", "experts": counts[0], "bias_speed": 0.0})
+        )
     return out
 
 
@@ -115,12 +117,23 @@ def main(args: argparse.Namespace) -> int:
     for name, s in summaries.items():
         d, lo, hi = paired_interval(s["held_out_losses"], dense["held_out_losses"])
         load = s.get("load")
-        rows.append([name, f"{s['trainable_parameters'] / 1e6:.1f}M", f"{s['loss_before']:.3f}", f"{s['loss_after']:.3f}",
-                     "-" if name == "dense" else f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]",
-                     f"{load['cv']:.3f}" if load else "-", f"{load['max_min']}" if load else "-",
-                     f"{s['dropped_share']:.1%}" if load else "-", f"{s.get('aux_loss_mean', 0):.4f}" if load else "-",
-                     f"{s['train_tokens_per_s']:.0f}", f"{rates[name][1]:.1f}",
-                     f"{rates[name][args.streams]:.1f}", f"{rates[name][1] / rates['dense'][1]:.2f}x"])
+        rows.append(
+            [
+                name,
+                f"{s['trainable_parameters'] / 1e6:.1f}M",
+                f"{s['loss_before']:.3f}",
+                f"{s['loss_after']:.3f}",
+                "-" if name == "dense" else f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]",
+                f"{load['cv']:.3f}" if load else "-",
+                f"{load['max_min']}" if load else "-",
+                f"{s['dropped_share']:.1%}" if load else "-",
+                f"{s.get('aux_loss_mean', 0):.4f}" if load else "-",
+                f"{s['train_tokens_per_s']:.0f}",
+                f"{rates[name][1]:.1f}",
+                f"{rates[name][args.streams]:.1f}",
+                f"{rates[name][1] / rates['dense'][1]:.2f}x",
+            ]
+        )
     n_held = dense["held_out_sequences"]
     print(f"\n### MoE training from {Path(args.base).name}: {args.steps} steps x {args.batch_size} x {args.seq_len} "
           f"tokens, lr {args.lr}, {n_held} held-out sequences\n")

@@ -161,7 +161,11 @@ def main(args: argparse.Namespace) -> int:
     # held-out loss per task
     rows = []
     for task in sk:
-        base_l, lora_l, rf_l = (rf["before"][task]["losses"], lora["after"][task]["losses"], rf["after"][task]["losses"])
+        base_l, lora_l, rf_l = (
+            rf["before"][task]["losses"],
+            lora["after"][task]["losses"],
+            rf["after"][task]["losses"],
+        )
         d, lo, hi = paired_interval(rf_l, lora_l)
         db, lob, hib = paired_interval(rf_l, base_l)
         rows.append([task, len(rf_l), f"{sum(base_l) / len(base_l):.3f}", f"{sum(lora_l) / len(lora_l):.3f}",
@@ -188,7 +192,10 @@ def main(args: argparse.Namespace) -> int:
     models = {"base": Path(args.base), "plain-lora": lora_dir, "reasonformer": rf_dir}
     url, stop = serve(models, root)
     try:
-        sets = {"PIQA (held-out half)": data / "piqa" / "validation.jsonl", "ARC-Easy test": data / "arc-easy" / "test.jsonl"}
+        sets = {
+            "PIQA (held-out half)": data / "piqa" / "validation.jsonl",
+            "ARC-Easy test": data / "arc-easy" / "test.jsonl",
+        }
         offsets = {"PIQA (held-out half)": PIQA_SPLIT, "ARC-Easy test": 0}
         t0 = time.perf_counter()
         acc = asyncio.run(choices(url, list(models), sets, offsets, args.mc_items))

@@ -24,7 +24,9 @@ def sample_prompts(path: Path, limit: int | None) -> list[str]:
             item = json.loads(line)
             out.append(str(item.get("prompt") or item["question"]))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise SystemExit(f"chorus route calibrate: {path}:{n}: need a JSON object with 'prompt' or 'question'") from None
+            raise SystemExit(
+                f"chorus route calibrate: {path}:{n}: need a JSON object with 'prompt' or 'question'"
+            ) from None
         if limit is not None and len(out) >= limit:
             break
     return out

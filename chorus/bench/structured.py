@@ -83,33 +83,86 @@ def _mask_costs(hf: Any, name: str) -> list[str]:
 
 
 CORPUS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
-                                      "population": {"type": "integer"}}, "required": ["city", "country", "population"]},
-    {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer", "minimum": 1800,
-                                                                            "maximum": 2030},
-                                      "genres": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
-     "required": ["title", "year", "genres"]},
-    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
-                                      "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["sentiment", "confidence"]},
-    {"type": "object", "properties": {"order_id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{4}$"},
-                                      "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-                                          "type": "object", "properties": {"sku": {"type": "string"},
-                                                                           "qty": {"type": "integer", "minimum": 1}},
-                                          "required": ["sku", "qty"]}}}, "required": ["order_id", "items"]},
-    {"type": "object", "properties": {"name": {"type": "string"}, "address": {
-        "type": "object", "properties": {"street": {"type": "string"}, "zip": {"type": "string"}},
-        "required": ["street", "zip"]}, "email": {"type": ["string", "null"]}}, "required": ["name", "address", "email"]},
-    {"type": "object", "properties": {"answer": {"type": "boolean"}, "reason": {"type": "string"}},
-     "required": ["answer", "reason"]},
-    {"type": "object", "properties": {"temperatures": {"type": "array", "items": {"type": "number"}, "minItems": 3,
-                                                       "maxItems": 7}}, "required": ["temperatures"]},
-    {"type": "object", "properties": {"result": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-                                      "unit": {"enum": ["m", "km"]}}, "required": ["result", "unit"]},
-    {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-                                      "final": {"type": "number"}}, "required": ["steps", "final"]},
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "country", "population"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "year": {"type": "integer", "minimum": 1800, "maximum": 2030},
+            "genres": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        },
+        "required": ["title", "year", "genres"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["sentiment", "confidence"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{4}$"},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}},
+                    "required": ["sku", "qty"],
+                },
+            },
+        },
+        "required": ["order_id", "items"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "address": {
+                "type": "object",
+                "properties": {"street": {"type": "string"}, "zip": {"type": "string"}},
+                "required": ["street", "zip"],
+            },
+            "email": {"type": ["string", "null"]},
+        },
+        "required": ["name", "address", "email"],
+    },
+    {
+        "type": "object",
+        "properties": {"answer": {"type": "boolean"}, "reason": {"type": "string"}},
+        "required": ["answer", "reason"],
+    },
+    {
+        "type": "object",
+        "properties": {"temperatures": {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 7}},
+        "required": ["temperatures"],
+    },
+    {
+        "type": "object",
+        "properties": {"result": {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "unit": {"enum": ["m", "km"]}},
+        "required": ["result", "unit"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "steps": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+            "final": {"type": "number"},
+        },
+        "required": ["steps", "final"],
+    },
 ]
 CORPUS_PROMPT = "Make up a plausible example and answer with JSON only, matching this JSON schema:\n{schema}"
 
@@ -241,7 +294,9 @@ def _print_corpus(specs: list[Any], max_tokens: int) -> None:
 
 
 def _print_throughput(specs: list[Any], args: argparse.Namespace) -> None:
-    print("\n| model | streams | free tokens/s | constrained tokens/s | ratio | overhead | tokens (free / constrained) |")
+    print(
+        "\n| model | streams | free tokens/s | constrained tokens/s | ratio | overhead | tokens (free / constrained) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for spec in specs:
         for row in _throughput(spec, args.tokens, args.concurrency, args.rounds):

@@ -26,65 +26,150 @@ class Command:
 
 COMMANDS: dict[tuple[str, ...], Command] = {
     ("serve",): Command("run the gateway", "chorus.cli.serve:serve", "chorus.cli.serve:arguments"),
-    ("worker",): Command("serve the config's models as a worker behind a gateway (the same OpenAI API)",
-                         "chorus.cli.serve:serve", "chorus.cli.serve:arguments"),
-    ("models", "prepare"): Command("convert packaged / GGUF models into the cache",
-                                   "chorus.cli.models:prepare", "chorus.cli.models:prepare_arguments"),
+    ("worker",): Command(
+        "serve the config's models as a worker behind a gateway (the same OpenAI API)",
+        "chorus.cli.serve:serve",
+        "chorus.cli.serve:arguments",
+    ),
+    ("models", "prepare"): Command(
+        "convert packaged / GGUF models into the cache",
+        "chorus.cli.models:prepare",
+        "chorus.cli.models:prepare_arguments",
+    ),
     ("models", "list"): Command("models in the config and their state", "chorus.cli.models:list_models"),
-    ("keys", "hash"): Command("print the SHA-256 to put under auth.keys (the raw key is never stored)",
-                              "chorus.cli.keys:hash_command", "chorus.cli.keys:arguments", config=False),
-    ("upcycle",): Command("sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE / DeepSeek-V3 blocks",
-                          "chorus.cli.families:upcycle", "chorus.cli.families:upcycle_arguments", config=False),
-    ("graft",): Command("SOLAR depth up-scaling: layers [0, n-M) then [M, n)",
-                        "chorus.cli.families:graft", "chorus.cli.families:graft_arguments", config=False),
-    ("train", "modr"): Command("train MoDr's LoRA branches and router (retrofitting a Llama base, or continuing "
-                               "a MoDr checkpoint)", "chorus.cli.families:train_modr",
-                               "chorus.cli.families:train_modr_arguments", config=False),
-    ("train", "moe"): Command("train an upcycled MoE model with Switch, GShard or DeepSeek routing (or fine-tune the "
-                              "dense base: --router dense)", "chorus.cli.families:train_moe",
-                              "chorus.cli.families:train_moe_arguments", config=False),
-    ("train", "reasonformer"): Command("train ReasonFormer's skills, routers and stop gates in two stages "
-                                       "(retrofitting a Llama base, or continuing a checkpoint)",
-                                       "chorus.cli.families:train_reasonformer",
-                                       "chorus.cli.families:train_reasonformer_arguments", config=False),
-    ("train", "duma"): Command("train a DUMA multiple-choice scorer (co-attention head, or the baseline head, on "
-                               "a fine-tuned encoder)", "chorus.cli.families:train_duma",
-                               "chorus.cli.families:train_duma_arguments", config=False),
-    ("eval",): Command("accuracy of models and ensembles on a JSONL dataset, side by side",
-                       "chorus.clients.eval:main", "chorus.clients.eval:add_arguments"),
-    ("eval", "addition"): Command("2- and 3-digit addition, greedy, exact match: models vs token-level ensembles",
-                                  "chorus.clients.eval_addition:main", "chorus.clients.eval_addition:add_arguments"),
-    ("eval", "tasks"): Command("lm-evaluation-harness task YAMLs for local PIQA / ARC-Easy / HellaSwag files",
-                               "chorus.clients.lm_eval_tasks:main", "chorus.clients.lm_eval_tasks:add_arguments",
-                               config=False),
-    ("route", "calibrate"): Command("cost-router thresholds for target shares of calls",
-                                    "chorus.bench.route_calibrate:main", "chorus.bench.route_calibrate:add_arguments"),
-    ("bench", "engine"): Command("decode throughput: chorus engine vs model.generate()",
-                                 "chorus.bench.engine:main", "chorus.bench.engine:add_arguments"),
-    ("bench", "structured"): Command("constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
-                                     "chorus.bench.structured:main", "chorus.bench.structured:add_arguments"),
-    ("bench", "choices"): Command("multiple-choice scoring: shared prefix vs a whole forward per choice",
-                                  "chorus.bench.choices:main", "chorus.bench.choices:add_arguments"),
-    ("bench", "modes"): Command("token ensembles by mode: full, selective, speculative vs the lead alone",
-                                "chorus.bench.token_modes:main", "chorus.bench.token_modes:add_arguments"),
-    ("bench", "ensembles"): Command("ensemble overheads: logit averaging, ROUGE-L scoring, concurrency",
-                                    "chorus.bench.ensembles:main", "chorus.bench.ensembles:add_arguments"),
-    ("bench", "families"): Command("MoDr routing overhead and KV cache, MoE vs dense",
-                                   "chorus.bench.families:main", "chorus.bench.families:add_arguments"),
-    ("bench", "reasonformer"): Command("ReasonFormer evidence: vs a plain LoRA of the same parameters on the same "
-                                       "data (loss, /v1/choices accuracy, router, depth, decode speed)",
-                                       "chorus.bench.reasonformer:main", "chorus.bench.reasonformer:add_arguments",
-                                       config=False),
-    ("bench", "moe-train"): Command("MoE training evidence: dense fine-tune vs Switch / GShard / DeepSeek MoE "
-                                    "(held-out loss, load balance, dropped share, serving tok/s)",
-                                    "chorus.bench.moe_train:main", "chorus.bench.moe_train:add_arguments", config=False),
-    ("bench", "moe-gpu"): Command("chorus train moe on a GPU with random SmolLM2-shaped weights (no model files)",
-                                  "chorus.bench.moe_gpu:main", "chorus.bench.moe_gpu:add_arguments", config=False),
-    ("bench", "load"): Command("N clients for T seconds: outcomes, errors, p99, memory",
-                               "chorus.clients.bench_load:main", "chorus.clients.bench_load:add_arguments"),
-    ("bench", "gateway"): Command("gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
-                                  "chorus.clients.bench_gateway:main", "chorus.clients.bench_gateway:add_arguments",
-                                  config=False),
+    ("keys", "hash"): Command(
+        "print the SHA-256 to put under auth.keys (the raw key is never stored)",
+        "chorus.cli.keys:hash_command",
+        "chorus.cli.keys:arguments",
+        config=False,
+    ),
+    ("upcycle",): Command(
+        "sparse upcycling: a dense Llama checkpoint -> Mixtral / Qwen2-MoE / DeepSeek-V3 blocks",
+        "chorus.cli.families:upcycle",
+        "chorus.cli.families:upcycle_arguments",
+        config=False,
+    ),
+    ("graft",): Command(
+        "SOLAR depth up-scaling: layers [0, n-M) then [M, n)",
+        "chorus.cli.families:graft",
+        "chorus.cli.families:graft_arguments",
+        config=False,
+    ),
+    ("train", "modr"): Command(
+        "train MoDr's LoRA branches and router (retrofitting a Llama base, or continuing a MoDr checkpoint)",
+        "chorus.cli.families:train_modr",
+        "chorus.cli.families:train_modr_arguments",
+        config=False,
+    ),
+    ("train", "moe"): Command(
+        "train an upcycled MoE model with Switch, GShard or DeepSeek routing (or fine-tune the "
+        "dense base: --router dense)",
+        "chorus.cli.families:train_moe",
+        "chorus.cli.families:train_moe_arguments",
+        config=False,
+    ),
+    ("train", "reasonformer"): Command(
+        "train ReasonFormer's skills, routers and stop gates in two stages "
+        "(retrofitting a Llama base, or continuing a checkpoint)",
+        "chorus.cli.families:train_reasonformer",
+        "chorus.cli.families:train_reasonformer_arguments",
+        config=False,
+    ),
+    ("train", "duma"): Command(
+        "train a DUMA multiple-choice scorer (co-attention head, or the baseline head, on a fine-tuned encoder)",
+        "chorus.cli.families:train_duma",
+        "chorus.cli.families:train_duma_arguments",
+        config=False,
+    ),
+    ("train", "selector"): Command(
+        "fit a selector over multiple-choice members from labelled items scored through a running chorus "
+        "(served by the 'select' strategy)",
+        "chorus.cli.selector:train_selector",
+        "chorus.cli.selector:train_selector_arguments",
+        config=False,
+    ),
+    ("eval",): Command(
+        "accuracy of models and ensembles on a JSONL dataset, side by side",
+        "chorus.clients.eval:main",
+        "chorus.clients.eval:add_arguments",
+    ),
+    ("eval", "addition"): Command(
+        "2- and 3-digit addition, greedy, exact match: models vs token-level ensembles",
+        "chorus.clients.eval_addition:main",
+        "chorus.clients.eval_addition:add_arguments",
+    ),
+    ("eval", "tasks"): Command(
+        "lm-evaluation-harness task YAMLs for local PIQA / ARC-Easy / HellaSwag files",
+        "chorus.clients.lm_eval_tasks:main",
+        "chorus.clients.lm_eval_tasks:add_arguments",
+        config=False,
+    ),
+    ("route", "calibrate"): Command(
+        "cost-router thresholds for target shares of calls",
+        "chorus.bench.route_calibrate:main",
+        "chorus.bench.route_calibrate:add_arguments",
+    ),
+    ("bench", "engine"): Command(
+        "decode throughput: chorus engine vs model.generate()",
+        "chorus.bench.engine:main",
+        "chorus.bench.engine:add_arguments",
+    ),
+    ("bench", "structured"): Command(
+        "constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
+        "chorus.bench.structured:main",
+        "chorus.bench.structured:add_arguments",
+    ),
+    ("bench", "choices"): Command(
+        "multiple-choice scoring: shared prefix vs a whole forward per choice",
+        "chorus.bench.choices:main",
+        "chorus.bench.choices:add_arguments",
+    ),
+    ("bench", "modes"): Command(
+        "token ensembles by mode: full, selective, speculative vs the lead alone",
+        "chorus.bench.token_modes:main",
+        "chorus.bench.token_modes:add_arguments",
+    ),
+    ("bench", "ensembles"): Command(
+        "ensemble overheads: logit averaging, ROUGE-L scoring, concurrency",
+        "chorus.bench.ensembles:main",
+        "chorus.bench.ensembles:add_arguments",
+    ),
+    ("bench", "families"): Command(
+        "MoDr routing overhead and KV cache, MoE vs dense",
+        "chorus.bench.families:main",
+        "chorus.bench.families:add_arguments",
+    ),
+    ("bench", "reasonformer"): Command(
+        "ReasonFormer evidence: vs a plain LoRA of the same parameters on the same "
+        "data (loss, /v1/choices accuracy, router, depth, decode speed)",
+        "chorus.bench.reasonformer:main",
+        "chorus.bench.reasonformer:add_arguments",
+        config=False,
+    ),
+    ("bench", "moe-train"): Command(
+        "MoE training evidence: dense fine-tune vs Switch / GShard / DeepSeek MoE "
+        "(held-out loss, load balance, dropped share, serving tok/s)",
+        "chorus.bench.moe_train:main",
+        "chorus.bench.moe_train:add_arguments",
+        config=False,
+    ),
+    ("bench", "moe-gpu"): Command(
+        "chorus train moe on a GPU with random SmolLM2-shaped weights (no model files)",
+        "chorus.bench.moe_gpu:main",
+        "chorus.bench.moe_gpu:add_arguments",
+        config=False,
+    ),
+    ("bench", "load"): Command(
+        "N clients for T seconds: outcomes, errors, p99, memory",
+        "chorus.clients.bench_load:main",
+        "chorus.clients.bench_load:add_arguments",
+    ),
+    ("bench", "gateway"): Command(
+        "gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
+        "chorus.clients.bench_gateway:main",
+        "chorus.clients.bench_gateway:add_arguments",
+        config=False,
+    ),
 }
 
 

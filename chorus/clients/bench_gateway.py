@@ -5,8 +5,8 @@ A mock OpenAI upstream (a raw asyncio server: fixed chat completion, or a fixed 
 process (an ``engine: remote`` model pointing at the mock), and through the LiteLLM proxy when its
 ``litellm`` command is given (``--litellm``) or on PATH. LiteLLM is not a chorus dependency: its
 ``litellm[proxy]`` extra does not resolve here; ``pip install litellm`` plus the proxy's modules by hand
-(websockets, semver, expression, fastapi-sso, mcp, soundfile, orjson, backoff, apscheduler, ...) works. Requests/s and latency percentiles at concurrency 1 and 32,
-non-streaming and streaming; one table, one run.
+(websockets, semver, expression, fastapi-sso, mcp, soundfile, orjson, backoff, apscheduler, ...) works.
+Requests/s and latency percentiles at concurrency 1 and 32, non-streaming and streaming; one table, one run.
 """
 
 from __future__ import annotations

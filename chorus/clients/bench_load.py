@@ -50,7 +50,9 @@ async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: ra
         t0 = time.perf_counter()
         try:
             if roll < 0.05:
-                r = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+                r = await http.post(
+                    "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+                )
                 outcomes[f"invalid: {r.status_code} {r.json()['error']['code']}"] += 1
             elif roll < 0.10:
                 r = await http.post("/v1/chat/completions", json={"model": model, "messages": msgs, "temperature": 9})
@@ -59,7 +61,13 @@ async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: ra
                 r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": msgs})
                 outcomes[f"invalid: {r.status_code} {r.json()['error']['code']}"] += 1
             elif roll < 0.30:  # goes away mid-stream
-                body = {"model": model, "messages": msgs, "max_tokens": max_tokens * 4, "stream": True, "ignore_eos": True}
+                body = {
+                    "model": model,
+                    "messages": msgs,
+                    "max_tokens": max_tokens * 4,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
                 async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                     n = 0
                     async for _ in r.aiter_lines():
@@ -76,7 +84,9 @@ async def client_loop(http: httpx.AsyncClient, model: str, until: float, rng: ra
                 if ok:
                     latencies.append(time.perf_counter() - t0)
             else:
-                r = await http.post("/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": max_tokens})
+                r = await http.post(
+                    "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": max_tokens}
+                )
                 outcomes["ok" if r.status_code == 200 else f"error: {r.status_code} {r.json()['error']['code']}"] += 1
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t0)
@@ -94,7 +104,8 @@ async def _run(args: argparse.Namespace) -> str:
             cmd += ["--config", str(cfg)]
         elif args.config:
             cmd += ["--config", args.config]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # noqa: ASYNC220 (before any load)
+        # started before any load is sent, so its blocking start costs nothing measured
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # noqa: ASYNC220
                                 env=os.environ.copy())
         url = f"http://127.0.0.1:{port}"
         try:
@@ -131,11 +142,16 @@ async def _run(args: argparse.Namespace) -> str:
     lines = [f"chorus bench load: model {args.model}, {args.clients} clients, {args.seconds:g} s, "
              f"max_tokens {args.max_tokens}", "", "| outcome | requests |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1])]
-    lines += [f"| **total** | {total} ({total / args.seconds:.1f}/s) |", "",
-              f"successful requests: p50 {pct(0.5) * 1000:.0f} ms, p99 {pct(0.99) * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms",
-              f"server RSS: start {samples[0][1] if samples else 0:.0f} MiB, peak {max((r for _, r in samples), default=0):.0f} MiB, "
-              f"mean of the first third {first:.0f} MiB vs the last third {last:.0f} MiB ({last - first:+.0f} MiB)",
-              f"sessions open after the run: {sum(m.get('active_sessions', 0) for m in health['models'].values())}"]
+    lines += [
+        f"| **total** | {total} ({total / args.seconds:.1f}/s) |",
+        "",
+        f"successful requests: p50 {pct(0.5) * 1000:.0f} ms, p99 {pct(0.99) * 1000:.0f} ms, "
+        f"max {lat[-1] * 1000:.0f} ms",
+        f"server RSS: start {samples[0][1] if samples else 0:.0f} MiB, "
+        f"peak {max((r for _, r in samples), default=0):.0f} MiB, "
+        f"mean of the first third {first:.0f} MiB vs the last third {last:.0f} MiB ({last - first:+.0f} MiB)",
+        f"sessions open after the run: {sum(m.get('active_sessions', 0) for m in health['models'].values())}",
+    ]
     return "\n".join(lines)
 
 

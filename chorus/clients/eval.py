@@ -3,8 +3,9 @@
 Data: JSONL, one object per line with ``question`` and (optionally) ``answer``; a GSM8K-style answer
 ("... #### 72") is reduced to what follows ``####``. A ``route`` field names the member that should
 answer (for routing strategies: the table then shows how often the router chose it). Multiple-choice
-data (``choices`` and ``label``) is scored through ``/v1/choices`` instead (``eval_choices.py``). Each system (``--model NAME`` or ``--ensemble JSON``, any number of
-each) answers every question through ``/v1/chat/completions``; the answer is extracted from the reply
+data (``choices`` and ``label``) is scored through ``/v1/choices`` instead (``eval_choices.py``). Each system
+(``--model NAME`` or ``--ensemble JSON``, any number of each) answers every question through
+``/v1/chat/completions``; the answer is extracted from the reply
 the way Exchange-of-Thought does ("the answer is X"; ``--answer choice`` for option letters), and the
 table shows accuracy, tokens, member calls and latency per system. Without ``--url`` a ``chorus serve``
 is started for the run (``--config`` picks its config) and stopped afterwards.
@@ -76,7 +77,9 @@ def load_data(path: Path, limit: int | None) -> list[tuple[str, Any, Any]]:
                 item = json.loads(line)
                 rows.append((item["question"], item.get("answer"), item))
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                raise SystemExit(f"chorus eval: {path}:{n}: need a JSON object with 'question' (and 'answer') ({exc})") from None
+                raise SystemExit(
+                    f"chorus eval: {path}:{n}: need a JSON object with 'question' (and 'answer') ({exc})"
+                ) from None
             if limit is not None and len(rows) >= limit:
                 break
     return rows

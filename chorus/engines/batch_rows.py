@@ -92,8 +92,12 @@ class BatchRows:
         mask = self.mask.index_select(0, idx)
         first = int((mask.sum(0) > 0).nonzero()[0])  # leading columns that are padding for every row
         self.mask = mask[:, first:]
-        self.cache = cache_from([(l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
-                                  for l in self.cache.growing])
+        self.cache = cache_from(
+            [
+                (l.keys.index_select(0, idx)[:, :, first:], l.values.index_select(0, idx)[:, :, first:])
+                for l in self.cache.growing
+            ]
+        )
 
     @torch.inference_mode()  # the mask and cache are inference tensors: edited in place only in this mode
     def apply_rollbacks(self) -> None:

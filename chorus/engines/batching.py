@@ -111,8 +111,16 @@ class BatchRunner:
     """Schedules the batch: admits prefills, gathers the rows that have a token waiting, runs one step at a
     time on the forward thread and hands each session its logits."""
 
-    def __init__(self, model: Any, *, max_model_len: int, max_batch_size: int = 16,
-                 prefill_chunk: int = 512, gather_wait_s: float = 0.004, observer: FamilyObserver | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_model_len: int,
+        max_batch_size: int = 16,
+        prefill_chunk: int = 512,
+        gather_wait_s: float = 0.004,
+        observer: FamilyObserver | None = None,
+    ) -> None:
         self.model = model
         #: the model family's hooks around every forward (dense: none)
         self.observer = observer if observer is not None else DenseObserver()
@@ -173,7 +181,9 @@ class BatchRunner:
         if not ids:
             raise InvalidRequest("The prompt is empty.", param="prompt")
         if len(ids) > self.max_model_len:
-            raise ContextLengthExceeded(f"prompt of {len(ids)} tokens exceeds the context window of {self.max_model_len}")
+            raise ContextLengthExceeded(
+                f"prompt of {len(ids)} tokens exceeds the context window of {self.max_model_len}"
+            )
         if len(sessions) > self.max_batch_size:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()

@@ -14,7 +14,9 @@ from chorus.engines.base import Choice, Constraint, Delta, Generation, Generatio
 from chorus.errors import EngineFailed, InvalidRequest
 
 
-def request_body(req: GenerationRequest, stream: bool, *, model: str, upstream_model: str, api: str) -> tuple[str, dict[str, Any]]:
+def request_body(
+    req: GenerationRequest, stream: bool, *, model: str, upstream_model: str, api: str
+) -> tuple[str, dict[str, Any]]:
     """The upstream path and JSON body for a request: ``/completions`` with the prompt as token ids
     (exactly what the gateway rendered), or ``/chat/completions`` with the messages (``api: chat``)."""
     p = req.params

@@ -7,7 +7,9 @@ from collections import deque
 from chorus.engines.batch_rows import PrefillJob
 
 
-def plan_prefills(queue: deque[PrefillJob], rows: int, budget: int, max_batch_size: int) -> list[tuple[PrefillJob, int]]:
+def plan_prefills(
+    queue: deque[PrefillJob], rows: int, budget: int, max_batch_size: int
+) -> list[tuple[PrefillJob, int]]:
     """Either several whole prompts that fit together (one padded forward), or one chunk of a prompt too long
     for the budget (chunked prefill, one chunk per step); ``rows``: the rows already in the batch. Cancelled
     jobs leave the queue."""

@@ -92,7 +92,9 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     missing = [k for k in missing if k not in getattr(model, "_tied_weights_keys", {})]
     if missing or unexpected:
-        raise EngineUnavailable(f"{spec.name}: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise EngineUnavailable(
+            f"{spec.name}: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.tie_weights()
     log(f"{spec.name}: [3/4] writing safetensors to {out}")
     out.mkdir(parents=True)
@@ -116,7 +118,8 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
 
 def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None],
                      models: dict[str, ModelSpec]) -> Path:
-    """Build a derived checkpoint (MoE upcycle, graft, MoDr / ReasonFormer retrofit) from its base, preparing the base first."""
+    """Build a derived checkpoint (MoE upcycle, graft, MoDr / ReasonFormer retrofit) from its base, preparing the
+    base first."""
     from chorus.errors import BuildError
 
     derive = spec.derive

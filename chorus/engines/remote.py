@@ -3,7 +3,8 @@
 Replicas and retries live in ``replicas.py``, the OpenAI request / response format in
 ``openai_wire.py``; this module holds the engine and its token-level sessions. `ReplicaPool` picks,
 for each request, the healthy replica with the fewest requests outstanding; a replica that fails
-(connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health loop (``/health``, else ``/v1/models``) brings it back. A request is retried on another replica as long
+(connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health loop (``/health``, else
+``/v1/models``) brings it back. A request is retried on another replica as long
 as nothing has been sent to the client; after the first streamed delta a failure is an error (the
 gateway sends it as the stream's final error event, never a silent cut).
 

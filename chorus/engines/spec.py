@@ -41,7 +41,9 @@ class RemoteSpec(BaseModel):
     cooldown_s: float = Field(default=10.0, ge=0, description="a failing replica is out for this long")
     health_interval_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=256, ge=1)
-    top_logprobs: int = Field(default=20, ge=1, le=20, description="logit averaging over remote members: top-k per step")
+    top_logprobs: int = Field(
+        default=20, ge=1, le=20, description="logit averaging over remote members: top-k per step"
+    )
     #: token-level sessions for logit averaging: ``completions`` = top-k logprobs over /v1/completions
     #: (any OpenAI server, approximate); ``chorus`` = a chorus worker's /chorus/v1/sessions (exact logits)
     token_api: Literal["completions", "chorus"] = "completions"

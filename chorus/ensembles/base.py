@@ -49,6 +49,7 @@ STRATEGIES: dict[str, str] = {
     "route": "chorus.ensembles.route:Route",
     "cascade": "chorus.ensembles.cascade:Cascade",
     "choice_average": "chorus.ensembles.choice_average:ChoiceAverage",
+    "select": "chorus.ensembles.select:Select",
 }
 
 

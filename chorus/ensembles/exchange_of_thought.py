@@ -65,7 +65,9 @@ class EoTParams(BaseModel):
     max_rounds: int = Field(default=5, ge=0, le=10)
     answer: Literal["number", "choice"] = "number"
     answer_pattern: str | None = Field(default=None, description="regex; its first group is the answer")
-    instruction: str | None = Field(default=None, description="appended to the question (default: ask for 'The answer is X')")
+    instruction: str | None = Field(
+        default=None, description="appended to the question (default: ask for 'The answer is X')"
+    )
 
     @field_validator("answer_pattern")
     @classmethod

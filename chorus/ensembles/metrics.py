@@ -13,6 +13,9 @@ ROUTE_DECISIONS = Counter(
 CASCADE_STEPS = Counter(
     "chorus_cascade_steps_total", "Cascade steps per member and outcome (accepted / escalated / failed)",
     ["ensemble", "member", "outcome"])
+SELECTOR_CHOICES = Counter(
+    "chorus_selector_choices_total", "Items a select ensemble answered, by the first member whose top choice it "
+    "took ('none': a choice no member put first)", ["ensemble", "member"])
 ENSEMBLE_REQUESTS = Counter(
     "chorus_ensemble_requests_total", "Requests answered by an ensemble strategy", ["ensemble", "strategy"])
 MEMBER_CALLS = Counter(

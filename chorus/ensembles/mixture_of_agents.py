@@ -22,7 +22,9 @@ AGGREGATE = ("You have been given responses from several models to the user's la
              "simply copy one; write an accurate, well-structured and complete reply.\n\nResponses:")
 
 
-def with_references(messages: list[dict[str, Any]], answers: list[str], instruction: str = AGGREGATE) -> list[dict[str, Any]]:
+def with_references(
+    messages: list[dict[str, Any]], answers: list[str], instruction: str = AGGREGATE
+) -> list[dict[str, Any]]:
     """The messages with the answers in the system prompt (appended to an existing one)."""
     refs = instruction + "".join(f"\n\n{i + 1}. {a}" for i, a in enumerate(answers))
     system = [m for m in messages if m.get("role") in ("system", "developer")]
@@ -34,7 +36,9 @@ def with_references(messages: list[dict[str, Any]], answers: list[str], instruct
 class MoAParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    aggregator: str | MemberSpec | None = Field(default=None, description="model (or member object); default: the first member")
+    aggregator: str | MemberSpec | None = Field(
+        default=None, description="model (or member object); default: the first member"
+    )
     layers: int = Field(default=1, ge=1, le=4)
     aggregate_prompt: str = Field(default=AGGREGATE, description="system prompt before the numbered answers")
 
@@ -58,7 +62,10 @@ class MixtureOfAgents(Strategy):
         return [*super().models(), self.aggregator.spec.model]
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "aggregator": {"label": self.aggregator.label, "model": self.aggregator.spec.model}}
+        return {
+            **super().describe(),
+            "aggregator": {"label": self.aggregator.label, "model": self.aggregator.spec.model},
+        }
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         messages = call.prompt.as_messages()
@@ -67,10 +74,20 @@ class MixtureOfAgents(Strategy):
         answers: list[str] = []
         prompt = self.params.aggregate_prompt
         for layer in range(self.params.layers):
-            gens = await gather(*(
-                call.generate(m, m.persona(messages) if layer == 0 else with_references(m.persona(messages), answers, prompt),
-                              persona=False, n=1, logprobs=False, top_logprobs=0, constraint=None)
-                for m in self.members))  # proposals are free text; a response format applies to the aggregate
+            gens = await gather(
+                *(
+                    call.generate(
+                        m,
+                        m.persona(messages) if layer == 0 else with_references(m.persona(messages), answers, prompt),
+                        persona=False,
+                        n=1,
+                        logprobs=False,
+                        top_logprobs=0,
+                        constraint=None,
+                    )
+                    for m in self.members
+                )
+            )  # proposals are free text; a response format applies to the aggregate
             alive = call.survivors(gens, self.members)
             answers = [g.choices[0].text for _, g in alive]
             layers.append([{"member": m.label, "text": g.choices[0].text} for m, g in alive])

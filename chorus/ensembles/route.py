@@ -101,8 +101,10 @@ class Route(Strategy):
         self._embedded: dict[str, np.ndarray] | None = None
         if p.router == "random":
             if p.weights is not None and (len(p.weights) != n or any(w < 0 for w in p.weights) or sum(p.weights) <= 0):
-                raise InvalidRequest(f"'weights' must be {n} non-negative numbers (one per member) with a positive sum.",
-                                     param="ensemble.weights")
+                raise InvalidRequest(
+                    f"'weights' must be {n} non-negative numbers (one per member) with a positive sum.",
+                    param="ensemble.weights",
+                )
         elif p.router == "semantic":
             examples = dict(p.examples or {})
             if p.examples_file:
@@ -156,7 +158,10 @@ class Route(Strategy):
         if p.router == "random":
             w = p.weights or [1.0] * len(self.members)
             m = random.Random(seed).choices(self.members, weights=w)[0]
-            return m, {"weights": w, "reason": "weighted random choice" + (f" (seed {seed})" if seed is not None else "")}
+            return m, {
+                "weights": w,
+                "reason": "weighted random choice" + (f" (seed {seed})" if seed is not None else ""),
+            }
         if p.router == "cost":
             score = await self.score(call.prompt.question)
             i = bisect.bisect_right(p.thresholds or [], score)  # set for a cost router (checked at build)

@@ -125,7 +125,9 @@ class MemberSessions:
         """The distributions of members ``which`` (in that order) combined with their weights."""
         return mix(logits, self.weights[which], self.space, self.vocab, self.temperature)
 
-    async def _run(self, calls: list[Awaitable[torch.Tensor]], which: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    async def _run(
+        self, calls: list[Awaitable[torch.Tensor]], which: list[int]
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """Calls of members ``which``, concurrently: the members still in and their results. A failed member
         fails the request, or (``skip``) is closed and dropped."""
         keep, results = await step_members(calls, [self.labels[i] for i in which], self.skip, self._on_drop)

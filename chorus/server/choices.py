@@ -35,7 +35,9 @@ class ChoicesRequest(BaseModel):
 
     model: str = Field(min_length=1)
     prompt: str | None = Field(default=None, description="text the choices continue")
-    messages: list[protocol.ChatMessage] | None = Field(default=None, description="or: a chat, rendered with the template")
+    messages: list[protocol.ChatMessage] | None = Field(
+        default=None, description="or: a chat, rendered with the template"
+    )
     choices: list[str] = Field(description="the candidate continuations")
     normalisations: list[str] | None = Field(
         default=None, description="which probabilities to return (default all: sum, mean, char, unconditional)")

@@ -55,7 +55,9 @@ def fingerprint(ensemble: Ensemble) -> str:
     return "fp_ens_" + hashlib.sha256(spec.encode()).hexdigest()[:8]
 
 
-def start_call(ensemble: Ensemble, req: protocol.ChatCompletionRequest | protocol.CompletionRequest, prompt: Prompt) -> Call:
+def start_call(
+    ensemble: Ensemble, req: protocol.ChatCompletionRequest | protocol.CompletionRequest, prompt: Prompt
+) -> Call:
     return ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
 
 

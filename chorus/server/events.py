@@ -33,10 +33,14 @@ async def first_and_rest(stream: AsyncGenerator[Delta, None]) -> AsyncGenerator[
     return rest()
 
 
-async def chat_events(head: protocol.ResponseHead, deltas: AsyncGenerator[Delta, None], req: protocol.ChatCompletionRequest,
-                      usage: Callable[[int], dict[str, int]],
-                      trailer: Callable[[], dict[str, Any]] | None = None,
-                      settle: Callable[[dict[str, int]], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+async def chat_events(
+    head: protocol.ResponseHead,
+    deltas: AsyncGenerator[Delta, None],
+    req: protocol.ChatCompletionRequest,
+    usage: Callable[[int], dict[str, int]],
+    trailer: Callable[[], dict[str, Any]] | None = None,
+    settle: Callable[[dict[str, int]], None] | None = None,
+) -> AsyncGenerator[dict[str, Any], None]:
     """Chat chunks: the role, the deltas, then (if asked) usage and an ensemble's trace on a last chunk.
     ``settle`` gets the usage when the stream ends, however it ends (token accounting)."""
     usage_null = {"usage": None} if req.include_usage else {}
@@ -89,8 +93,10 @@ async def completion_events(head: protocol.ResponseHead, streams: list[AsyncGene
     try:
         for p, echo in enumerate(echoes):
             for i in range(req.n if echo else 0):
-                yield {**head.base("text_completion"),
-                       "choices": [protocol.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)]}
+                yield {
+                    **head.base("text_completion"),
+                    "choices": [protocol.completion_choice(p * req.n + i, echo, None, scored[p] if scored else None)],
+                }
         while done < len(tasks):
             p, item = await queue.get()
             if item is None:

@@ -31,7 +31,9 @@ class FastPath:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = (
+            self.routes.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        )
         if route is None:
             await self.app(scope, receive, send)
             return

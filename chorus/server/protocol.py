@@ -349,5 +349,7 @@ def completion_response(head: ResponseHead, choices: list[dict[str, Any]], promp
     return {**head.base("text_completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -59,7 +59,9 @@ async def open_streams(request: Request, work: ReplyPlan) -> list[AsyncGenerator
     return streams
 
 
-async def chat_reply(request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan) -> Response:
+async def chat_reply(
+    request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan
+) -> Response:
     model = request.state.model
     if not req.stream:
         gen = await until_disconnect(request, work.generate[0]())
@@ -71,8 +73,14 @@ async def chat_reply(request: Request, req: protocol.ChatCompletionRequest, head
                                     settle=lambda u: settle(request, model, u)), request)
 
 
-async def completion_reply(request: Request, req: protocol.CompletionRequest, head: protocol.ResponseHead, work: ReplyPlan,
-                           echoes: list[str], scored: list[dict[str, Any]] | None = None) -> Response:
+async def completion_reply(
+    request: Request,
+    req: protocol.CompletionRequest,
+    head: protocol.ResponseHead,
+    work: ReplyPlan,
+    echoes: list[str],
+    scored: list[dict[str, Any]] | None = None,
+) -> Response:
     """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i.
     ``scored[p]``: prompt p's token logprobs (``echo`` with ``logprobs``), before the completion's."""
     model = request.state.model
@@ -83,7 +91,9 @@ async def completion_reply(request: Request, req: protocol.CompletionRequest, he
             for c in gen.choices:
                 lps = protocol.completion_logprobs(c.logprobs, len(echoes[p])) if c.logprobs is not None else None
                 lps = protocol.joined_logprobs(scored[p] if scored else None, lps)
-                choices.append(protocol.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps))
+                choices.append(
+                    protocol.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps)
+                )
         body = {**protocol.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
                                         sum(g.completion_tokens for g in gens)), **work.trailer()}
         settle(request, model, body["usage"])

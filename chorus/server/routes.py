@@ -117,8 +117,12 @@ async def chat_completions(req: protocol.ChatCompletionRequest, request: Request
     engine = generator(request, req.model)
     served_by(request, req.model, body=req)
     gen_req = req.to_generation_request(engine)
-    work = ReplyPlan([lambda: engine.generate(gen_req)], [lambda: engine.stream(gen_req)],
-                usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion), trailer=trace_of([gen_req]))
+    work = ReplyPlan(
+        [lambda: engine.generate(gen_req)],
+        [lambda: engine.stream(gen_req)],
+        usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion),
+        trailer=trace_of([gen_req]),
+    )
     return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work)
 
 
@@ -146,8 +150,9 @@ async def completions(req: protocol.CompletionRequest, request: Request) -> Resp
                                                                for g in gen_reqs)))
         scored = [protocol.prompt_logprobs([engine.tokenizer.decode([t]) for t in g.prompt_ids], lp)
                   for g, lp in zip(gen_reqs, lps)]
-    return await completion_reply(request, req, protocol.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes,
-                                  scored)
+    return await completion_reply(
+        request, req, protocol.ResponseHead("cmpl", req.model, fingerprint(engine)), work, echoes, scored
+    )
 
 
 def trace_of(gen_reqs: list[GenerationRequest]) -> Callable[[], dict[str, Any]]:

@@ -10,7 +10,8 @@ by token with their exact next-token logits (``remote.token_api: chorus`` on the
 
 ``next`` holds the next-token distribution: without ``top_k`` the full logits as base64 little-endian
 float32 (``{"encoding": "base64-f32le", "size": V, "logits": "..."}``), with ``top_k`` the k best
-``{"ids": [...], "logprobs": [...]}``. Every response carries ``X-Chorus-Session-API: 2`` (the newest version served). A session
+``{"ids": [...], "logprobs": [...]}``. Every response carries ``X-Chorus-Session-API: 2`` (the newest version
+served). A session
 is one KV cache in the engine's batch (it batches with everything else); it is closed by DELETE, or
 freed once idle for ``server.sessions.idle_timeout_s``; at most ``server.sessions.max_open`` are open.
 Errors use the OpenAI envelope: an unknown or expired session is 404 ``session_not_found``, a step

@@ -73,8 +73,16 @@ def lm_loss(model: MoDrModel, batch: torch.Tensor, recurrence: int, grad_steps: 
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
-def train_modr(base: Path | str, data: Path | str, out: Path | str, tc: TrainConfig, *, modr: dict[str, Any] | None = None,
-               force: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+def train_modr(
+    base: Path | str,
+    data: Path | str,
+    out: Path | str,
+    tc: TrainConfig,
+    *,
+    modr: dict[str, Any] | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Train and write a MoDr checkpoint; returns the run's summary (losses, branch usage, timing)."""
     from transformers import AutoTokenizer
 

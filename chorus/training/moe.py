@@ -117,7 +117,8 @@ def prepare_base(base: Path, tc: MoeTrainConfig, work: Path, log: Callable[[str]
     if tc.router == "dense" or kind in MOE_TYPES:
         return base
     top_k = {"switch": 1, "gshard": 2}.get(tc.router, tc.top_k or DEFAULTS["top_k"])
-    cfg = UpcycleConfig(experts=tc.experts or 4, top_k=top_k, layout=DEFAULT_LAYOUT[tc.router],  # type: ignore[arg-type]
+    layout = DEFAULT_LAYOUT[tc.router]
+    cfg = UpcycleConfig(experts=tc.experts or 4, top_k=top_k, layout=layout,  # type: ignore[arg-type]
                         noise=0.01 if tc.noise is None else tc.noise, seed=tc.seed)
     return upcycle(base, work / "upcycled", cfg, log=log)
 

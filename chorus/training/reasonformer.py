@@ -266,7 +266,9 @@ def train_plain_lora(base: Path | str, skills: dict[str, str], out: Path | str, 
     n_params = sum(p.numel() for p in lora)
     before = evaluate(model, data, tc.batch_size, device)
     steps = len(data) * tc.stage1_steps + tc.stage2_steps
-    log(f"training plain LoRA rank {rank} on layers {list(cfg.block)}: {n_params:,} trainable parameters, {steps} steps")
+    log(
+        f"training plain LoRA rank {rank} on layers {list(cfg.block)}: {n_params:,} trainable parameters, {steps} steps"
+    )
     for p in lora:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(lora, lr=tc.lr, weight_decay=0.0)

@@ -119,7 +119,9 @@ class DumaScorer(nn.Module):
             a1, _ = self.mha_p(e, e, e, key_padding_mask=~qa, need_weights=False)
             a2, _ = self.mha_qa(e, e, e, key_padding_mask=~p, need_weights=False)
             o1, o2 = masked_mean(a1, p), masked_mean(a2, qa)
-            pooled = o1 * o2 if self.cfg.fuse == "mul" else o1 + o2 if self.cfg.fuse == "sum" else torch.cat([o1, o2], -1)
+            pooled = (
+                o1 * o2 if self.cfg.fuse == "mul" else o1 + o2 if self.cfg.fuse == "sum" else torch.cat([o1, o2], -1)
+            )
         return self.classifier(self.dropout(pooled)).squeeze(-1)
 
     def head_tensors(self) -> dict[str, torch.Tensor]:

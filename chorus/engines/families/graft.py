@@ -35,7 +35,9 @@ class GraftConfig:
 
     def check(self, n_layers: int) -> None:
         if not 1 <= self.drop < n_layers:
-            raise BuildError(f"--drop must be between 1 and {n_layers - 1} for a {n_layers}-layer base (got {self.drop})")
+            raise BuildError(
+                f"--drop must be between 1 and {n_layers - 1} for a {n_layers}-layer base (got {self.drop})"
+            )
 
     def source_layers(self, n_layers: int) -> list[int]:
         """The base layer behind each layer of the grafted model."""

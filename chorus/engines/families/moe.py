@@ -221,7 +221,10 @@ def upcycle(base_dir: Path | str, out: Path | str, cfg: UpcycleConfig, *, force:
         copy_tokenizer(base.path, tmp)
         save_checkpoint(tmp, config, tensors, {"family": "moe", "base": str(base.path), **config["chorus"],
                                                "seconds": round(time.perf_counter() - t0, 1)})
-    log(f"upcycled {base.path.name} into {cfg.kind} ({config['architectures'][0]}) with {cfg.experts} experts, top-{cfg.top_k} at {out}")
+    log(
+        f"upcycled {base.path.name} into {cfg.kind} ({config['architectures'][0]}) with {cfg.experts} experts, "
+        f"top-{cfg.top_k} at {out}"
+    )
     return out
 
 
@@ -285,10 +288,14 @@ class ExpertLoad(FamilyObserver):
 
     def trace(self, sessions: list[Any]) -> dict[str, Any]:
         parts = [s.family for s in sessions if s.family is not None]
-        return {"experts": load_summary(sum(parts) if parts else torch.zeros(self.layers, self.experts, dtype=torch.long))}
+        return {
+            "experts": load_summary(sum(parts) if parts else torch.zeros(self.layers, self.experts, dtype=torch.long))
+        }
 
     def metrics(self) -> list[Metric]:
-        samples = [([str(l), str(e)], float(self.totals[l, e])) for l in range(self.layers) for e in range(self.experts)]
+        samples = [
+            ([str(l), str(e)], float(self.totals[l, e])) for l in range(self.layers) for e in range(self.experts)
+        ]
         return [("chorus_moe_expert_tokens_total", "Tokens routed to each expert, per MoE layer (top-k: k per token)",
                  ["layer", "expert"], samples)]
 

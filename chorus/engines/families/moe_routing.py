@@ -186,7 +186,12 @@ class SwitchRouter(Router):
                  aux_weight: float = 0.01, z_weight: float = 0.001, jitter: float = 0.0, **_: Any) -> None:
         super().__init__(weight, 1, rule)
         check_settings(capacity_factor, aux_weight, z_weight, jitter)
-        self.capacity_factor, self.aux_weight, self.z_weight, self.jitter_eps = capacity_factor, aux_weight, z_weight, jitter
+        self.capacity_factor, self.aux_weight, self.z_weight, self.jitter_eps = (
+            capacity_factor,
+            aux_weight,
+            z_weight,
+            jitter,
+        )
 
     @classmethod
     def tiny(cls, hidden: int = 16, experts: int = 4) -> SwitchRouter:

@@ -119,7 +119,9 @@ class StepSlots:
             layers.append(GrowingLayer())
         grow_steps(layers, self.n_pre + self.n_coda, self.n_core, n)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[idx]
         if self.peek:  # exit probe through the coda: read the cache, write nothing
             if not layer.is_initialized:

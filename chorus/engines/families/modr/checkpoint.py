@@ -32,8 +32,16 @@ def is_modr_dir(path: Path | str) -> bool:
 
 def save_modr(model: MoDrModel, out: Path, *, extra: dict[str, Any] | None = None) -> None:
     """Write config + branch weights into ``out`` (an existing empty directory) and the tokenizer files."""
-    save_over_base(out, family="modr", model_type="chorus_modr", cfg=model.cfg.to_json(), base_config=model.config,
-                   tensors=model.state_tensors(), weights=WEIGHTS, extra={"architectures": ["MoDrModel"], **(extra or {})})
+    save_over_base(
+        out,
+        family="modr",
+        model_type="chorus_modr",
+        cfg=model.cfg.to_json(),
+        base_config=model.config,
+        tensors=model.state_tensors(),
+        weights=WEIGHTS,
+        extra={"architectures": ["MoDrModel"], **(extra or {})},
+    )
 
 
 def load_modr(path: Path | str, dtype: torch.dtype = torch.float32, **overrides: Any) -> MoDrModel:

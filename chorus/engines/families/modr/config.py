@@ -56,7 +56,9 @@ class MoDrConfig:
         ranges = {"prelude": self.prelude, "core": self.core, "coda": self.coda}
         for name, (a, b) in ranges.items():
             if not (0 <= a < b <= n_layers):
-                raise BuildError(f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers")
+                raise BuildError(
+                    f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers"
+                )
         if not (self.prelude[1] <= self.core[0] and self.core[1] <= self.coda[0]):
             raise BuildError(f"layer ranges must be in order prelude < core < coda without overlap "
                              f"(got {list(self.prelude)}, {list(self.core)}, {list(self.coda)})")
@@ -68,7 +70,9 @@ class MoDrConfig:
         if bad or not self.targets:
             raise BuildError(f"LoRA targets must be among {', '.join(TARGETS)} (got {list(self.targets)})")
         if not 1 <= self.recurrence <= self.max_recurrence:
-            raise BuildError(f"recurrence must be between 1 and max_recurrence={self.max_recurrence} (got {self.recurrence})")
+            raise BuildError(
+                f"recurrence must be between 1 and max_recurrence={self.max_recurrence} (got {self.recurrence})"
+            )
         if self.kv_share is not None and self.kv_share < 1:
             raise BuildError(f"kv_share must be >= 1 (got {self.kv_share})")
 

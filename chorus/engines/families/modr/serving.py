@@ -105,10 +105,22 @@ class RoutingObserver(FamilyObserver):
 
     def metrics(self) -> list[Metric]:
         return [
-            ("chorus_modr_branch_selections_total", "Routing decisions per MoDr branch (one per token or prompt per step)",
-             ["branch"], [([str(i)], float(c)) for i, c in enumerate(self.branch_totals)]),
-            ("chorus_modr_recurrence_steps_total", "Recurrence steps run for decoded tokens", [],
-             [([], float(self.steps_total))]),
-            ("chorus_modr_decoded_tokens_total", "Tokens decoded (steps / tokens = mean recurrence)", [],
-             [([], float(self.tokens_total))]),
+            (
+                "chorus_modr_branch_selections_total",
+                "Routing decisions per MoDr branch (one per token or prompt per step)",
+                ["branch"],
+                [([str(i)], float(c)) for i, c in enumerate(self.branch_totals)],
+            ),
+            (
+                "chorus_modr_recurrence_steps_total",
+                "Recurrence steps run for decoded tokens",
+                [],
+                [([], float(self.steps_total))],
+            ),
+            (
+                "chorus_modr_decoded_tokens_total",
+                "Tokens decoded (steps / tokens = mean recurrence)",
+                [],
+                [([], float(self.tokens_total))],
+            ),
         ]

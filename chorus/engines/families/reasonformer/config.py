@@ -68,7 +68,9 @@ class ReasonFormerConfig:
         ranges = {"representation": self.representation, "block": self.block, "coda": self.coda}
         for name, (a, b) in ranges.items():
             if not (0 <= a < b <= n_layers):
-                raise BuildError(f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers")
+                raise BuildError(
+                    f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers"
+                )
         if not (self.representation[1] <= self.block[0] and self.block[1] <= self.coda[0]):
             raise BuildError(f"layer ranges must be in order representation < block < coda without overlap (got "
                              f"{list(self.representation)}, {list(self.block)}, {list(self.coda)})")
@@ -83,7 +85,9 @@ class ReasonFormerConfig:
         if bad or not self.targets:
             raise BuildError(f"LoRA targets must be among {', '.join(TARGETS)} (got {list(self.targets)})")
         if self.top_k is not None and not 1 <= self.top_k <= self.n_skills:
-            raise BuildError(f"top_k must be between 1 and the {self.n_skills} skills (or null for all; got {self.top_k})")
+            raise BuildError(
+                f"top_k must be between 1 and the {self.n_skills} skills (or null for all; got {self.top_k})"
+            )
         if self.max_steps < 1:
             raise BuildError(f"max_steps must be >= 1 (got {self.max_steps})")
         if not 0.0 <= self.stop_threshold <= 1.0:

@@ -1,0 +1,79 @@
+"""``chorus train selector``: score labelled multiple-choice items with each member through a running chorus
+(``/v1/choices``, cached as ``chorus eval --cache`` caches them, so members run once across trainings and
+evaluations), fit the selector (chorus/training/selector.py) and write its artifact to
+``$CHORUS_HOME/selectors/NAME`` for the ``select`` strategy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def member_answers(url: str, data: Path, members: list[str], cache: Path, *, offset: int = 0,
+                   limit: int | None = None, concurrency: int = 1, timeout: float = 600.0,
+                   headers: dict[str, str] | None = None) -> tuple[list[Any], list[list[dict[str, list[float]]]]]:
+    """The items of ``data`` and, per item, every member's probabilities per normalisation (scored through
+    ``url`` where the cache does not have them)."""
+    import httpx
+
+    from chorus.clients.eval_choices import NORMS, cache_file, load_items, run_system
+
+    items = load_items(data, offset, limit)
+    if not items:
+        raise SystemExit(f"chorus: no items in {data}")
+
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers or {}) as http:
+            return [await run_system(http, m, {"model": m, "logprobs": True}, items, cache_file(cache, data, m),
+                                     concurrency) for m in members]
+
+    runs = asyncio.run(run())
+    answers = [[{nm: r.records[i]["probabilities"][nm] for nm in NORMS} for r in runs] for i in range(len(items))]
+    return items, answers
+
+
+def train_selector(args: argparse.Namespace) -> int:
+    from chorus.ensembles.select import artifact_path
+    from chorus.training.selector import data_hash, fit_selector
+
+    if len(args.member) < 2:
+        sys.exit("chorus train selector: give at least two --member models")
+    data = Path(args.data)
+    items, answers = member_answers(args.url, data, args.member, Path(args.cache), offset=args.offset,
+                                    limit=args.limit, concurrency=args.concurrency)
+    gold = np.array([it.label for it in items])
+    try:
+        sel = fit_selector(args.member, answers, gold, [len(it.prompt) for it in items],
+                           data_hash=f"{data_hash(data)}:{args.offset}:{args.limit}", folds=args.folds,
+                           seed=args.seed)
+    except ValueError as exc:
+        sys.exit(f"chorus train selector: {exc}")
+    out = sel.save(artifact_path(args.out))
+    cv = sel.training["cv"]
+    print(f"selector {args.out}: {len(items)} items of {data}, members {', '.join(args.member)}")
+    print(f"  cross-validated ({args.folds} folds): selector {100 * cv['selector_acc']:.1f}, best member "
+          f"{100 * cv['best_member_acc']:.1f}, gain {100 * cv['gain']:+.1f} [{100 * cv['gain_ci'][0]:+.1f}, "
+          f"{100 * cv['gain_ci'][1]:+.1f}] (McNemar p = {cv['mcnemar_p']:.2f}), oracle {100 * cv['oracle_acc']:.1f}")
+    if sel.fallback:
+        print(f"  falls back to {sel.fallback}: {sel.training['fallback_reason']}")
+    print(f"  written to {out}")
+    return 0
+
+
+def train_selector_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="a running chorus (its /v1 URL)")
+    p.add_argument("--data", required=True, help="labelled multiple-choice JSONL (choices, label, question | goal |"
+                   " context), as chorus eval reads it")
+    p.add_argument("--member", action="append", default=[], help="a served model (repeat, in order; >= 2)")
+    p.add_argument("--out", required=True, help="the selector's name: written to $CHORUS_HOME/selectors/NAME")
+    p.add_argument("--cache", default="runs/eval-cache", help="per-item member scores (shared with chorus eval)")
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (regularisation and the fallback)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=1)

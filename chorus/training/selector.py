@@ -1,0 +1,96 @@
+"""Fitting the ``select`` strategy's selector (chorus/ensembles/selection.py) on labelled multiple-choice items:
+every member's cached answers, the gold choice. The learner is scikit-learn's logistic regression on the
+stacked (item, choice) rows (is this choice the gold one?); its regularisation is chosen by cross-validation
+over items on the training data only.
+
+The cross-validated result decides what is served: the artifact keeps the learner only where its gain over the
+best single member (chosen inside each fold's training part) has a paired bootstrap 95% interval above zero;
+otherwise it falls back to the best member of the training data, and says so (``fallback``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chorus.ensembles.selection import NORMS, Selector, choice_features, feature_names
+
+C_GRID = (0.01, 0.1, 1.0, 10.0)  #: the logistic regression's inverse regularisation, chosen by cross-validation
+
+
+def _design(items: list[list[dict[str, list[float]]]], prompts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Stacked (item, choice) rows and the item index of each row."""
+    blocks = [choice_features(a, n) for a, n in zip(items, prompts)]
+    groups = np.concatenate([np.full(len(b), i) for i, b in enumerate(blocks)])
+    return np.concatenate(blocks), groups
+
+
+def _fit(x: np.ndarray, y: np.ndarray, c: float) -> tuple[Any, Any]:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(x)
+    scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)
+    model = LogisticRegression(C=c, max_iter=2000).fit((x - scaler.mean_) / scale, y)
+    return (scaler.mean_, scale), model
+
+
+def _choose(x: np.ndarray, groups: np.ndarray, norm: tuple[Any, Any], model: Any) -> np.ndarray:
+    scores = model.decision_function((x - norm[0]) / norm[1])
+    return np.array([int(np.argmax(scores[groups == g])) for g in np.unique(groups)])
+
+
+def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], gold: np.ndarray,
+                 prompts: list[int], *, data_hash: str, folds: int = 5, seed: int = 0) -> Selector:
+    """``items[i][m]``: member m's probabilities per normalisation on item i; ``gold[i]``: the right choice."""
+    from sklearn.model_selection import KFold
+
+    from chorus.clients import eval_stats
+
+    if len(items) < 2 * folds:
+        raise ValueError(f"need at least {2 * folds} labelled items to cross-validate, got {len(items)}")
+    x, groups = _design(items, prompts)
+    y = np.concatenate([(np.arange(len(a[0][NORMS[0]])) == g).astype(int) for a, g in zip(items, gold)])
+    member_right = np.array([[int(np.argmax(a[m]["sum"])) == g for m in range(len(members))]
+                             for a, g in zip(items, gold)], dtype=int)  # (items, members)
+    kf = KFold(folds, shuffle=True, random_state=seed)
+    per_c: dict[float, np.ndarray] = {}
+    best_member_right = np.zeros(len(items), dtype=int)
+    for c in C_GRID:
+        right = np.zeros(len(items), dtype=int)
+        for train_i, test_i in kf.split(np.arange(len(items))):
+            rows = np.isin(groups, train_i)
+            norm, model = _fit(x[rows], y[rows], c)
+            test_rows = np.isin(groups, test_i)
+            chosen = _choose(x[test_rows], groups[test_rows], norm, model)
+            right[test_i] = (chosen == gold[np.unique(groups[test_rows])]).astype(int)
+            best = int(member_right[train_i].mean(axis=0).argmax())  # chosen on the fold's training part
+            best_member_right[test_i] = member_right[test_i, best]
+        per_c[c] = right
+    c_best = max(C_GRID, key=lambda c: (per_c[c].mean(), -c))
+    diff = eval_stats.paired_difference(per_c[c_best], best_member_right)
+    best_overall = int(member_right.mean(axis=0).argmax())
+    norm, model = _fit(x, y, c_best)
+    fallback = None if diff.low > 0 else members[best_overall]
+    oracle = float(member_right.max(axis=1).mean())
+    training = {
+        "items": len(items), "data_sha256": data_hash, "folds": folds, "seed": seed, "C_grid": list(C_GRID),
+        "cv": {"selector_acc": float(per_c[c_best].mean()), "best_member_acc": float(best_member_right.mean()),
+               "gain": diff.delta, "gain_ci": [diff.low, diff.high], "mcnemar_p": diff.p_mcnemar,
+               "oracle_acc": oracle, "acc_by_C": {str(c): float(r.mean()) for c, r in per_c.items()}},
+        "member_acc": {m: float(member_right[:, i].mean()) for i, m in enumerate(members)},
+        "fallback_reason": None if fallback is None else
+        f"the cross-validated gain over the best member ({100 * diff.delta:+.1f} points, 95% CI "
+        f"[{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]) does not exclude zero",
+    }
+    return Selector(members, feature_names(members), model.coef_[0].tolist(), float(model.intercept_[0]),
+                    norm[0].tolist(), norm[1].tolist(), c_best, fallback, training,
+                    {p: version(p) for p in ("chorus-gateway", "scikit-learn", "numpy")})
+
+
+def data_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

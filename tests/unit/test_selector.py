@@ -1,0 +1,183 @@
+"""The learned selector (`chorus train selector`, the `select` strategy): learners on synthetic data where the
+answer is recoverable, the fallback, the artifact's round trip, the served strategy giving the offline
+predictions exactly (fake members behind a live gateway, over `/v1/choices`), and the errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from chorus.engines.fake import FakeEngine
+from chorus.ensembles.selection import NORMS, Selector, feature_names
+from chorus.errors import ConfigError
+from chorus.training.selector import fit_selector
+from tests.helpers import LiveServer, serve_fakes
+
+
+def dist(n: int, top: int, p: float) -> list[float]:
+    rest = (1 - p) / (n - 1)
+    return [p if c == top else rest for c in range(n)]
+
+
+def synthetic(n_items: int, seed: int) -> tuple[list[Any], np.ndarray]:
+    """Two members, four choices. A is confident (0.9) and right on half the items and unsure (0.4) and wrong
+    on the others; B is always moderately sure (0.6) and right exactly where A is unsure: a selector that trusts
+    A when A is confident and B otherwise gets every item, each member half of them."""
+    rng = np.random.default_rng(seed)
+    items, gold = [], []
+    for _ in range(n_items):
+        g = int(rng.integers(4))
+        wrong = (g + 1 + int(rng.integers(3))) % 4
+        if rng.random() < 0.5:
+            a, b = dist(4, g, 0.9), dist(4, wrong, 0.6)
+        else:
+            a, b = dist(4, wrong, 0.4), dist(4, g, 0.6)
+        items.append([{nm: a for nm in NORMS}, {nm: b for nm in NORMS}])
+        gold.append(g)
+    return items, np.array(gold)
+
+
+def test_a_selector_learns_that_the_confident_member_is_right() -> None:
+    items, gold = synthetic(300, 0)
+    sel = fit_selector(["a", "b"], items, gold, [40] * len(items), data_hash="x")
+    cv = sel.training["cv"]
+    assert cv["best_member_acc"] == pytest.approx(0.5, abs=0.1) and cv["selector_acc"] > 0.95
+    assert sel.fallback is None and cv["gain_ci"][0] > 0
+    test_items, test_gold = synthetic(200, 1)  # held out
+    chosen = [int(np.argmax(sel.probabilities(a, 40)["sum"])) for a in test_items]
+    assert np.mean(np.array(chosen) == test_gold) > 0.95
+
+
+def test_without_signal_it_falls_back_to_the_best_member_and_says_so() -> None:
+    rng = np.random.default_rng(2)
+    items, gold = [], []
+    for _ in range(200):
+        g = int(rng.integers(3))
+        good = dist(3, g if rng.random() < 0.7 else (g + 1) % 3, 0.5)  # right 70% of the time
+        noise = dist(3, int(rng.integers(3)), 0.5)  # right a third of the time, unrelated to anything
+        items.append([{nm: noise for nm in NORMS}, {nm: good for nm in NORMS}])
+        gold.append(g)
+    sel = fit_selector(["noise", "good"], items, np.array(gold), [10] * 200, data_hash="x")
+    assert sel.fallback == "good" and "does not exclude zero" in sel.training["fallback_reason"]
+    assert sel.probabilities(items[0], 10) == items[0][1]  # the fallback member's own distribution
+
+
+def test_the_artifact_round_trips_and_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
+    items, gold = synthetic(100, 3)
+    sel = fit_selector(["a", "b"], items, gold, [40] * 100, data_hash="abc")
+    back = Selector.load(sel.save(tmp_path / "s"))
+    assert back == sel and back.probabilities(items[0], 40) == sel.probabilities(items[0], 40)
+    assert {"chorus-gateway", "scikit-learn", "numpy"} <= set(back.versions) and back.training["data_sha256"] == "abc"
+    raw = json.loads((tmp_path / "s" / "selector.json").read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**raw, "features": [*raw["features"][:-1], "moon_phase"]}))
+    with pytest.raises(ConfigError, match="moon_phase"):
+        Selector.load(bad)
+    bad.write_text(json.dumps({**raw, "format": 99}))
+    with pytest.raises(ConfigError, match="not a chorus selector"):
+        Selector.load(bad)
+    with pytest.raises(ValueError, match="at least 10"):
+        fit_selector(["a", "b"], items[:5], gold[:5], [1] * 5, data_hash="x")
+
+
+DATA = [{"question": f"Which letter comes after {chr(97 + i)}?", "choices": [chr(98 + i), "zz", chr(97 + i)],
+         "label": i % 3} for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def gateway_with_selector(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two fake members behind a live gateway and a selector trained on them with `chorus train selector`."""
+    import os
+
+    from chorus.cli.selector import train_selector
+
+    home = tmp_path_factory.mktemp("home")
+    data = home / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in DATA))
+    old = os.environ.get("CHORUS_HOME")
+    os.environ["CHORUS_HOME"] = str(home)
+    engines = {"m1": FakeEngine("m1"), "m2": FakeEngine("m2", script="bzzabc")}
+    try:
+        with serve_fakes(engines) as srv:
+            args = argparse.Namespace(url=srv.url + "/v1", data=str(data), member=["m1", "m2"], out="letters",
+                                      cache=str(home / "cache"), offset=0, limit=None, folds=3, seed=0,
+                                      concurrency=2)
+            assert train_selector(args) == 0
+            yield srv, home
+    finally:
+        if old is None:
+            os.environ.pop("CHORUS_HOME", None)
+        else:
+            os.environ["CHORUS_HOME"] = old
+
+
+def choices(srv: LiveServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/choices", json=body, timeout=30)
+
+
+def test_the_served_strategy_gives_the_offline_predictions(gateway_with_selector: Any) -> None:
+    srv, home = gateway_with_selector
+    trained = Selector.load(home / "selectors" / "letters")  # by `chorus train selector` on the fakes
+    assert trained.members == ["m1", "m2"] and trained.features == feature_names(["m1", "m2"])
+    items, gold = synthetic(100, 4)  # a learner that does not fall back, for the same members
+    learned = fit_selector(["m1", "m2"], items, gold, [40] * 100, data_hash="x")
+    assert learned.fallback is None
+    learned.save(home / "selectors" / "learned")
+    for name, sel in (("letters", trained), ("learned", learned)):
+        ensemble = {"strategy": "select", "artifact": name, "members": ["m1", "m2"]}
+        for row in DATA[:6]:
+            prompt = f"Question: {row['question']}\nAnswer: "
+            body = {"prompt": prompt, "choices": row["choices"], "normalisations": list(NORMS)}
+            answers = [{nm: [c["probabilities"][nm] for c in choices(srv, {**body, "model": m}).json()["choices"]]
+                        for nm in NORMS} for m in ("m1", "m2")]
+            want = sel.probabilities(answers, len(prompt))
+            got = choices(srv, {**body, "model": "m1", "ensemble": ensemble, "trace": True}).json()
+            for nm in NORMS:
+                assert [c["probabilities"][nm] for c in got["choices"]] == pytest.approx(want[nm], abs=1e-9)
+            trace = got["ensemble"]
+            assert trace["selector"] == name and trace["fallback"] == sel.fallback and len(trace["scores"]) == 2
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert "chorus_selector_choices_total" in metrics
+
+
+@pytest.mark.parametrize("ensemble,param,words", [
+    ({"members": ["m2", "m1"]}, "ensemble.members", "trained on members"),
+    ({"artifact": "nope"}, "ensemble.artifact", "No selector artifact"),
+    ({"artifact": "../../etc"}, "ensemble.artifact", "inside"),
+    ({"unknown_knob": 1}, "ensemble", "Valid parameters"),
+])
+def test_bad_select_ensembles_are_400s(gateway_with_selector: Any, ensemble: dict[str, Any], param: str,
+                                       words: str) -> None:
+    srv, _ = gateway_with_selector
+    spec = {"strategy": "select", "artifact": "letters", "members": ["m1", "m2"], **ensemble}
+    r = choices(srv, {"model": "m1", "prompt": "Q: ", "choices": ["a", "b"], "ensemble": spec})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"].startswith(param) and words in err["message"], err
+
+
+def test_select_generates_nothing_and_reads_text_prompts(gateway_with_selector: Any) -> None:
+    srv, _ = gateway_with_selector
+    spec = {"strategy": "select", "artifact": "letters", "members": ["m1", "m2"]}
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="scores choices only"):
+        client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"ensemble": spec})
+    r = choices(srv, {"model": "m1", "messages": [{"role": "user", "content": "Q"}], "choices": ["a", "b"],
+                      "ensemble": spec})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_malformed_training_rows_name_the_file_and_line(tmp_path: Path) -> None:
+    from chorus.cli.selector import member_answers
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(DATA[0]) + "\n" + json.dumps({"question": "no choices", "label": 0}) + "\n")
+    with pytest.raises(SystemExit, match=rf"{data}:2"):
+        member_answers("http://127.0.0.1:9/v1", data, ["m1", "m2"], tmp_path / "cache")
