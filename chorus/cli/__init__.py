@@ -88,6 +88,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.cli.selector:train_selector_arguments",
         config=False,
     ),
+    ("bench", "selector"): Command(
+        "a selector fit on one split and reported on another: members, best on train, average, select, oracle",
+        "chorus.bench.selector:run",
+        "chorus.bench.selector:add_arguments",
+        config=False,
+    ),
     ("eval",): Command(
         "accuracy of models and ensembles on a JSONL dataset, side by side",
         "chorus.clients.eval:main",

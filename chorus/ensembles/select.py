@@ -3,8 +3,8 @@
 Every member scores the choices (all three normalisations, whatever the request shows); the selector's
 logistic regression, trained by ``chorus train selector`` on labelled items (chorus/training/selector.py),
 reads features of the members' answers and gives one distribution over the choices. Where its
-cross-validated gain over the best single member did not exclude zero, the artifact falls back to that member
-and the ensemble answers with that member's distribution (the trace says so).
+cross-validated gain over the best single member did not exclude zero, the artifact falls back to that member:
+the ensemble asks only that member and answers with its distribution (the trace says so).
 
 ``artifact`` names a trained selector in ``$CHORUS_HOME/selectors/`` (a name, or a path inside that folder:
 a request cannot make the server read files elsewhere). Its members must be the ensemble's members, in order.
@@ -100,13 +100,21 @@ class Select(Strategy):
             call.record(m, tokens, 0)
             return answer
 
+        fallback = self.selector.fallback
+        if fallback is not None:  # the fallback member's answer is the answer: the others are not asked
+            (m,) = [m for m in self.members if m.spec.model == fallback][:1]
+            answer = await one(m)
+            SELECTOR_CHOICES.labels(self.ensemble, m.label).inc()
+            trace = {"selector": self.params.artifact, "fallback": fallback,
+                     "fallback_reason": self.selector.training.get("fallback_reason"), "chosen": answer.chosen["sum"],
+                     "scores": [{"member": m.label, "chosen": answer.chosen, "probabilities": answer.probabilities}]}
+            return ChoiceAnswer({n: answer.probabilities[n] for n in question.normalisations}, trace=trace)
         answers = await gather(*(one(m) for m in self.members))
         probs = self.selector.probabilities([a.probabilities for a in answers], len(question.text))
         chosen = max(range(len(question.choices)), key=lambda c: probs[NORMS[0]][c])
         agreeing = [m.label for m, a in zip(self.members, answers) if a.chosen["sum"] == chosen]
         SELECTOR_CHOICES.labels(self.ensemble, agreeing[0] if agreeing else "none").inc()
-        trace = {"selector": self.params.artifact, "fallback": self.selector.fallback,
-                 "fallback_reason": self.selector.training.get("fallback_reason"), "chosen": chosen,
+        trace = {"selector": self.params.artifact, "fallback": None, "chosen": chosen,
                  "members_agreeing": agreeing,
                  "scores": [{"member": m.label, "chosen": a.chosen, "probabilities": a.probabilities}
                             for m, a in zip(self.members, answers)]}

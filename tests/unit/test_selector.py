@@ -142,7 +142,8 @@ def test_the_served_strategy_gives_the_offline_predictions(gateway_with_selector
             for nm in NORMS:
                 assert [c["probabilities"][nm] for c in got["choices"]] == pytest.approx(want[nm], abs=1e-9)
             trace = got["ensemble"]
-            assert trace["selector"] == name and trace["fallback"] == sel.fallback and len(trace["scores"]) == 2
+            assert trace["selector"] == name and trace["fallback"] == sel.fallback
+            assert len(trace["scores"]) == (1 if sel.fallback else 2)  # a fallback asks its member only
     metrics = httpx.get(srv.url + "/metrics").text
     assert "chorus_selector_choices_total" in metrics
 
@@ -181,3 +182,23 @@ def test_malformed_training_rows_name_the_file_and_line(tmp_path: Path) -> None:
     data.write_text(json.dumps(DATA[0]) + "\n" + json.dumps({"question": "no choices", "label": 0}) + "\n")
     with pytest.raises(SystemExit, match=rf"{data}:2"):
         member_answers("http://127.0.0.1:9/v1", data, ["m1", "m2"], tmp_path / "cache")
+
+
+def test_the_evaluation_protocol_fits_on_one_half_and_reports_on_the_other(
+        gateway_with_selector: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from chorus.bench.selector import halves, main
+
+    srv, home = gateway_with_selector
+    a, b = halves(24, 0)
+    assert len(set(a) | set(b)) == 24 and not set(a) & set(b)
+    args = argparse.Namespace(url=srv.url + "/v1", train=str(home / "train.jsonl"), test=str(home / "train.jsonl"),
+                              member=["m1", "m2"], name="halves", cache=str(home / "cache"), train_limit=None,
+                              test_limit=None, split_seed=0, seed=0, concurrency=2, served_check=4)
+    data2 = [*DATA, *({**r, "question": r["question"] + " (again)"} for r in DATA)]
+    (home / "train2.jsonl").write_text("\n".join(json.dumps(r) for r in data2))
+    args.train = args.test = str(home / "train2.jsonl")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "24 held-out items" in out and "best on train" in out and "oracle (some member right)" in out
+    diff = float(out.split("largest |difference| of a choice's probability ")[1].split()[0])
+    assert diff < 1e-9

@@ -1,0 +1,165 @@
+"""``chorus bench selector``: the evaluation protocol of a learned selector, fit on one split and reported on
+another that nothing was tuned on.
+
+The members score both splits through a running chorus (``/v1/choices``, cached as ``chorus eval --cache``
+caches them). The selector is fit on the training split only (its regularisation and its fallback decided by
+cross-validation inside it) and saved to ``$CHORUS_HOME/selectors/NAME``; every row of the table is then
+computed on the held-out split: each member, the best single member *chosen on the training split*, the
+uniform average of the members' probabilities, the selector, a random member per item (seeded), and the
+oracle (some member right). Accuracy is the summed log-likelihood's (lm-eval's ``acc``), with Wilson 95%
+intervals; differences from the best-on-train member with a paired bootstrap 95% interval and McNemar's exact
+p; the share of the best-to-oracle gap closed; cost per item (member calls, tokens, seconds). Finally the
+served ``select`` ensemble is asked on the first ``--served-check`` held-out items and must give the offline
+probabilities (the largest difference is printed).
+
+A file given to both ``--train`` and ``--test`` (HellaSwag and PIQA have one labelled split here) is split into
+two disjoint halves by ``--split-seed``: the training half and the held-out half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chorus.clients import eval_stats as S
+from chorus.clients.local import markdown_table
+
+
+def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[: n // 2]), np.sort(order[n // 2 :])
+
+
+def rows_of(sel: Any, members: list[str], answers: list[Any], gold: np.ndarray, prompts: list[int],
+            best_on_train: int, seed: int) -> list[tuple[str, np.ndarray, float]]:
+    """(system, per-item correctness, calls per item) on the held-out items."""
+    m = len(members)
+    right = np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(m)] for a, g in zip(answers, gold)], int)
+    out = [(name, right[:, k], 1.0) for k, name in enumerate(members)]
+    out.append((f"best on train ({members[best_on_train]})", right[:, best_on_train], 1.0))
+    avg = [int(np.argmax(np.mean([a[k]["sum"] for k in range(m)], axis=0))) for a in answers]
+    out.append(("uniform average", (np.array(avg) == gold).astype(int), float(m)))
+    chosen = [int(np.argmax(sel.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
+    label = "select" + (f" (falls back to {sel.fallback})" if sel.fallback else "")
+    out.append((label, (np.array(chosen) == gold).astype(int), 1.0 if sel.fallback else float(m)))
+    pick = np.random.default_rng(seed).integers(m, size=len(gold))
+    out.append(("random member", right[np.arange(len(gold)), pick], 1.0))
+    out.append(("oracle (some member right)", right.max(axis=1), float(m)))
+    return out
+
+
+def table(systems: list[tuple[str, np.ndarray, float]], reference: np.ndarray, oracle: float,
+          per_call: dict[str, float]) -> str:
+    best = float(reference.mean())
+    header = ["system", "n", "acc [95% CI]", "Δ vs best on train [95% CI], McNemar p", "gap closed",
+              "calls/item", "s/item"]
+    rows = []
+    for name, right, calls in systems:
+        lo, hi = S.accuracy_interval(right)
+        d = S.paired_difference(right, reference)
+        delta = (f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], p={d.p_mcnemar:.2f} "
+                 f"(+{d.wins}/-{d.losses})")
+        gap = f"{(right.mean() - best) / (oracle - best):+.0%}" if oracle > best else "-"
+        rows.append([name, str(len(right)), f"{100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}]", delta, gap,
+                     f"{calls:.1f}", f"{per_call.get(name, 0.0):.2f}"])
+    return markdown_table(header, rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+
+    from chorus.cli.selector import member_answers
+    from chorus.ensembles.select import artifact_path
+    from chorus.training.selector import data_hash, fit_selector
+
+    members, cache = args.member, Path(args.cache)
+    same = Path(args.train).resolve() == Path(args.test).resolve()
+    tr_items, tr_answers = member_answers(args.url, Path(args.train), members, cache, limit=args.train_limit,
+                                          concurrency=args.concurrency)
+    if same:
+        a, b = halves(len(tr_items), args.split_seed)
+        te_items, te_answers = [tr_items[i] for i in b], [tr_answers[i] for i in b]
+        tr_items, tr_answers = [tr_items[i] for i in a], [tr_answers[i] for i in a]
+        split = f"two disjoint halves of {args.train} (seed {args.split_seed})"
+    else:
+        te_items, te_answers = member_answers(args.url, Path(args.test), members, cache, limit=args.test_limit,
+                                              concurrency=args.concurrency)
+        split = f"train {args.train}, held out {args.test}"
+    tr_gold = np.array([it.label for it in tr_items])
+    te_gold = np.array([it.label for it in te_items])
+    sel = fit_selector(members, tr_answers, tr_gold, [len(it.prompt) for it in tr_items],
+                       data_hash=f"{data_hash(Path(args.train))}:{args.train_limit}", seed=args.seed)
+    sel.save(artifact_path(args.name))
+    train_acc = [np.mean([int(np.argmax(a[k]["sum"])) == g for a, g in zip(tr_answers, tr_gold)])
+                 for k in range(len(members))]
+    best = int(np.argmax(train_acc))
+    systems = rows_of(sel, members, te_answers, te_gold, [len(it.prompt) for it in te_items], best, args.seed)
+    reference = systems[len(members)][1]
+    oracle = float(systems[-1][1].mean())
+    secs = member_seconds(cache, Path(args.test), members, [it.id for it in te_items])
+    every = float(sum(secs.values()))
+    per_item = {**secs, systems[len(members)][0]: secs[members[best]], "uniform average": every,
+                systems[len(members) + 2][0]: secs[sel.fallback] if sel.fallback else every,
+                "random member": float(np.mean(list(secs.values()))), "oracle (some member right)": every}
+    cv = sel.training["cv"]
+    print(f"## {len(te_items)} held-out items; {split}; {len(tr_items)} training items; members "
+          f"{', '.join(members)}\n")
+    print(table(systems, reference, oracle, per_item))
+    print(f"\n- selector {args.name}: C = {sel.C} by {sel.training['folds']}-fold cross-validation on the training "
+          f"items; cross-validated gain over the best member {100 * cv['gain']:+.1f} [{100 * cv['gain_ci'][0]:+.1f}, "
+          f"{100 * cv['gain_ci'][1]:+.1f}]" + (f"; falls back to {sel.fallback}" if sel.fallback else "; served"))
+    if args.served_check:
+        ensemble = {"strategy": "select", "artifact": args.name, "members": members}
+        worst = 0.0
+        with httpx.Client(base_url=args.url, timeout=600) as http:
+            for it, ans in list(zip(te_items, te_answers))[: args.served_check]:
+                r = http.post("/choices", json={"model": members[0], "prompt": it.prompt, "choices": it.choices,
+                                                "normalisations": ["sum"], "ensemble": ensemble})
+                r.raise_for_status()
+                got = [c["probabilities"]["sum"] for c in r.json()["choices"]]
+                worst = max(worst, float(np.abs(np.array(got) - sel.probabilities(ans, len(it.prompt))["sum"]).max()))
+        print(f"- the served select ensemble vs the offline selector on the first {args.served_check} held-out "
+              f"items: largest |difference| of a choice's probability {worst:.1e}")
+    return 0
+
+
+def member_seconds(cache: Path, data: Path, members: list[str], ids: list[str]) -> dict[str, float]:
+    from chorus.clients.eval_choices import cache_file, read_cache
+
+    out = {}
+    for m in members:
+        recs = read_cache(cache_file(cache, data, m))
+        out[m] = float(np.mean([recs[i]["seconds"] for i in ids if i in recs] or [0.0]))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--train", required=True, help="labelled multiple-choice JSONL to fit on")
+    p.add_argument("--test", required=True, help="held-out JSONL (the same file: two halves by --split-seed)")
+    p.add_argument("--member", action="append", default=[], help="a served model (repeat, in order)")
+    p.add_argument("--name", default="bench-selector", help="the artifact's name in $CHORUS_HOME/selectors")
+    p.add_argument("--cache", default="runs/eval-cache")
+    p.add_argument("--train-limit", type=int)
+    p.add_argument("--test-limit", type=int)
+    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--served-check", type=int, default=20, help="held-out items asked of the served ensemble")
+
+
+def run(args: argparse.Namespace) -> int:
+    if len(args.member) < 2:
+        sys.exit("chorus bench selector: give at least two --member models")
+    return main(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
+
