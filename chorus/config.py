@@ -131,7 +131,8 @@ class ChorusConfig(BaseModel):
             if missing:
                 raise ValueError(f"ensemble {e.name!r}: unknown member model(s) {', '.join(missing)}")
             try:
-                strategy_class(e.strategy).Params.model_validate(e.params)
+                klass = strategy_class(e.strategy)
+                klass.check_config(klass.Params.model_validate(e.params), [m.model for m in e.members])
             except GatewayError as exc:
                 raise ValueError(f"ensemble {e.name!r}: {exc.message}") from None
             except ValidationError as exc:

@@ -114,6 +114,11 @@ class Strategy:
         self.check()
 
     @classmethod
+    def check_config(cls, params: Any, members: list[str]) -> None:
+        """What a named ensemble's config entry can be checked for before any model loads (``members``: their
+        model names); raise `InvalidRequest`, which the config reports as its error."""
+
+    @classmethod
     def member_minimum(cls, params: Any) -> int:
         return cls.min_members
 

@@ -70,13 +70,17 @@ class Select(Strategy):
     Params = SelectParams
     scores_only = True
 
+    @classmethod
+    def check_config(cls, params: SelectParams, members: list[str]) -> None:
+        selector = load_selector(params.artifact)
+        if members != selector.members:
+            raise InvalidRequest(f"The selector {params.artifact!r} was trained on members {selector.members}; "
+                                 f"this ensemble has {members} (same models, same order).", param="ensemble.members")
+
     def check(self) -> None:
-        self.selector = load_selector(self.params.artifact)
         served = [m.spec.model for m in self.members]
-        if served != self.selector.members:
-            raise InvalidRequest(f"The selector {self.params.artifact!r} was trained on members "
-                                 f"{self.selector.members}; this ensemble has {served} (same models, same order).",
-                                 param="ensemble.members")
+        self.check_config(self.params, served)
+        self.selector = load_selector(self.params.artifact)
         own = with_own_sampling(self.members)
         if own:
             raise InvalidRequest("select samples nothing: per-member temperature / top_p / seed do not apply "

@@ -91,10 +91,14 @@ def test_lm_eval_through_chorus_gives_the_same_loglikelihoods(real_server: LiveS
         task_yaml("chorus_slice", data, "validation", "Question: {{goal}}\nAnswer:"))
     model_dir = default_config.model(SMOL).checkpoint_dir()
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["chorus_slice"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        model="local-completions",
+        tasks=["chorus_slice"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
         model_args=f"model={SMOL},base_url={real_server.url}/v1/completions,tokenizer_backend=huggingface,"
-                   f"tokenizer={model_dir},num_concurrent=1,max_retries=1",
-        log_samples=True, bootstrap_iters=0)
+        f"tokenizer={model_dir},num_concurrent=1,max_retries=1",
+        log_samples=True,
+        bootstrap_iters=0,
+    )
     samples = sorted(results["samples"]["chorus_slice"], key=lambda s: s["doc_id"])
     assert len(samples) == len(ITEMS)
     for sample, item in zip(samples, ITEMS):

@@ -102,8 +102,12 @@ async def test_n_choices_share_one_prefill(smol_engine: TransformersEngine) -> N
     one = await smol_engine.generate(GenerationRequest(ids, greedy(12)))
     three = await smol_engine.generate(GenerationRequest(ids, greedy(12, n=3)))
     assert [c.token_ids for c in three.choices] == [one.choices[0].token_ids] * 3
-    sampled = await smol_engine.generate(GenerationRequest(ids, SamplingParams(temperature=1.2, max_tokens=12, n=3, seed=1)))
-    again = await smol_engine.generate(GenerationRequest(ids, SamplingParams(temperature=1.2, max_tokens=12, n=3, seed=1)))
+    sampled = await smol_engine.generate(
+        GenerationRequest(ids, SamplingParams(temperature=1.2, max_tokens=12, n=3, seed=1))
+    )
+    again = await smol_engine.generate(
+        GenerationRequest(ids, SamplingParams(temperature=1.2, max_tokens=12, n=3, seed=1))
+    )
     assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
     assert len({c.text for c in sampled.choices}) > 1
 

@@ -45,7 +45,9 @@ def test_prepared_family_checkpoints_reproduce_the_dense_model(default_config: C
 def test_families_listed_and_answer_like_the_dense_model(sdk: openai.OpenAI) -> None:
     ids = {m.id for m in sdk.models.list()}
     assert {MOE, MODR, RF, "families-default"} <= ids
-    want = sdk.chat.completions.create(model=SMOL, messages=ASK, temperature=0, max_tokens=16).choices[0].message.content
+    want = (
+        sdk.chat.completions.create(model=SMOL, messages=ASK, temperature=0, max_tokens=16).choices[0].message.content
+    )
     for model in (MOE, MODR, RF, "families-default"):
         got = sdk.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=16)
         assert got.choices[0].message.content == want, model  # all share SmolLM2's function and vocabulary

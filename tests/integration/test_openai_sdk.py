@@ -18,7 +18,13 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 def test_models_list(sdk: openai.OpenAI) -> None:
     models = {m.id: m for m in sdk.models.list()}
-    assert {n for n, m in models.items() if not m.model_extra.get("ensemble")} == {SMOL, "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", GEMMA}
+    assert {n for n, m in models.items() if not m.model_extra.get("ensemble")} == {
+        SMOL,
+        "smollm2-moe",
+        "smollm2-modr",
+        "smollm2-reasonformer",
+        GEMMA,
+    }
     assert {"average-default", "unite-default", "vote-default", "eot-default", "moa-default"} <= set(models)
 
 

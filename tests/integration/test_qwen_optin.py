@@ -48,7 +48,10 @@ def test_the_qwen_pair_mixes_per_token_and_per_choice(qwen_server: LiveServer) -
     probs = httpx.post(qwen_server.url + "/v1/choices", timeout=600, json={
         "model": "q", **body, "logprobs": False, "ensemble": ens, "combine": "probabilities"}).json()
     for i, c in enumerate(probs["choices"]):
-        want = 0.25 * alone[0]["choices"][i]["probabilities"]["char"] + 0.75 * alone[1]["choices"][i]["probabilities"]["char"]
+        want = (
+            0.25 * alone[0]["choices"][i]["probabilities"]["char"]
+            + 0.75 * alone[1]["choices"][i]["probabilities"]["char"]
+        )
         assert c["probabilities"]["char"] == pytest.approx(want, abs=1e-6)
 
 

@@ -76,7 +76,9 @@ def test_completions(client: openai.OpenAI) -> None:
     assert [c.text for c in r.choices] == ["abc", "abc", "klm", "klm"]
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     r = client.completions.create(model="fake", prompt=[65, 66], max_tokens=1, temperature=0, logprobs=2)
-    assert r.choices[0].logprobs.tokens == ["c"]  # ids 65, 66 are "ab" and len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    assert r.choices[0].logprobs.tokens == [
+        "c"
+    ]  # ids 65, 66 are "ab" and len(r.choices[0].logprobs.top_logprobs[0]) == 2
     stream = client.completions.create(model="fake", prompt="a", max_tokens=4, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == "bcde"
     texts: dict[int, str] = {}

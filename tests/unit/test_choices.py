@@ -44,7 +44,9 @@ def test_normalisations_and_mixtures_are_the_documented_formulas() -> None:
     assert S.token_mixture([[-1.0, -2.0], [-3.0, -0.5]], np.array([1.0, 3.0])) == pytest.approx(sum(want))
 
 
-async def test_a_single_model_scores_each_choice_after_the_prompt(server: LiveServer, fakes: dict[str, FakeEngine]) -> None:
+async def test_a_single_model_scores_each_choice_after_the_prompt(
+    server: LiveServer, fakes: dict[str, FakeEngine]
+) -> None:
     r = post(server, {"model": "fake", "prompt": "abc ", "choices": ["ab", "ca", "bbb"], "logprobs": True})
     assert r.status_code == 200, r.text
     out = r.json()
@@ -138,7 +140,10 @@ def test_weights_and_the_per_token_mixture_of_one_vocabulary(server: LiveServer)
         assert c["logprob"] == pytest.approx(sum(want), abs=1e-5)
     probs = post(server, {**base, "logprobs": False, "ensemble": ens, "combine": "probabilities"}).json()
     for i, c in enumerate(probs["choices"]):
-        want = 0.25 * alone[0]["choices"][i]["probabilities"]["sum"] + 0.75 * alone[1]["choices"][i]["probabilities"]["sum"]
+        want = (
+            0.25 * alone[0]["choices"][i]["probabilities"]["sum"]
+            + 0.75 * alone[1]["choices"][i]["probabilities"]["sum"]
+        )
         assert c["probabilities"]["sum"] == pytest.approx(want)
     r = post(server, {**base, "ensemble": ens, "combine": "probabilities"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -108,20 +108,26 @@ def test_training_lowers_the_loss_and_selects_on_dev(encoder: Path, tmp_path: Pa
     items = read_items(train)
     before, tok = scorer(encoder, dropout=0.0)
     with torch.inference_mode():
-        loss0 = float(loss_of(score_items(before, tok, [(i.prompt, i.choices) for i in items]), [i.label for i in items]))
+        loss0 = float(
+            loss_of(score_items(before, tok, [(i.prompt, i.choices) for i in items]), [i.label for i in items])
+        )
     logs: list[str] = []
     summary = train_duma(train, tmp_path / "out", DumaConfig(dropout=0.0),
                          TrainConfig(epochs=10, batch_size=8, lr=1e-3, head_lr=1e-2, evals_per_epoch=1, log_every=6),
                          dev=dev, encoder=str(encoder), log=logs.append)
     model, tok = load_duma(tmp_path / "out")
     with torch.inference_mode():
-        loss1 = float(loss_of(score_items(model, tok, [(i.prompt, i.choices) for i in items]), [i.label for i in items]))
+        loss1 = float(
+            loss_of(score_items(model, tok, [(i.prompt, i.choices) for i in items]), [i.label for i in items])
+        )
     assert loss1 < 0.5 * loss0, (loss0, loss1, logs)
     assert summary["best_dev_accuracy"] == max(h["dev_accuracy"] for h in summary["history"])
     assert accuracy(model, tok, read_items(dev)) == pytest.approx(summary["best_dev_accuracy"])
     assert len(summary["history"]) == 10 and summary["dev_items"] == 16 and summary["best_dev_accuracy"] >= 0.75
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved["model_type"] == "chorus_duma" and saved["training"]["best_dev_accuracy"] == summary["best_dev_accuracy"]
+    assert (
+        saved["model_type"] == "chorus_duma" and saved["training"]["best_dev_accuracy"] == summary["best_dev_accuracy"]
+    )
     assert not list(tmp_path.glob(".out.tmp-*"))  # written atomically
 
 

@@ -275,35 +275,58 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
         chat(client, {"strategy": "crowd_vote", "members": ["broken", "broken"]})
 
 
-@pytest.mark.parametrize(("ensemble", "match"), [
-    ({"strategy": "nope", "members": ["a42", "b42"]}, "Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought"),
-    ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*Available models"),
-    ({"strategy": "crowd_vote", "members": ["a42"]}, "at least 2 members"),
-    ({"strategy": "crowd_vote", "candidates": []}, "candidates must not be empty"),
-    ({"strategy": "crowd_vote", "members": ["a42", "b42"], "metric": "bleu"}, "metric"),
-    ({"strategy": "crowd_vote", "members": ["a42", "b42"], "temprature": 1}, "Valid parameters: metric"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1]}, "2 non-negative numbers"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1, -1]}, "non-negative"),
-    ({"strategy": "logit_average", "members": ["fake", "odd"]}, "odd differ from fake.*topk_union"),
-    ({"strategy": "logit_average", "members": ["fake", {"model": "fake", "seed": 3}]}, "per-member temperature"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "gate": 0.3}, "'gate' applies to mode selective"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "selective", "k": 3}, "'k' applies to mode"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "selective", "gate": 2}, "at most 1"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "speculative", "lead": "zz"}, "'lead' 'zz'"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "speculative", "lead": 5}, "member index"),
-    ({"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "mode": "speculative"},
-     "shared vocabulary"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "fast"}, "mode"),
-    ({"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "mixture_temperature": 0.5},
-     "mixture_temperature applies"),
-    ({"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "space": "logit"},
-     "space 'logit' needs align 'vocab'"),
-    ({"strategy": "logit_average", "members": ["fake", "fake"], "top_k": 5}, "'top_k' applies to align"),
-    ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "have neither: textonly"),
-    ({"strategy": "exchange_of_thought", "members": ["a42", "b42"], "answer_pattern": "("}, "regular expression"),
-    ({"members": ["a42", "b42"]}, "strategy"),
-    ({"strategy": "crowd_vote", "members": "a42"}, "members"),
-])
+@pytest.mark.parametrize(
+    ("ensemble", "match"),
+    [
+        (
+            {"strategy": "nope", "members": ["a42", "b42"]},
+            "Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought",
+        ),
+        ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*Available models"),
+        ({"strategy": "crowd_vote", "members": ["a42"]}, "at least 2 members"),
+        ({"strategy": "crowd_vote", "candidates": []}, "candidates must not be empty"),
+        ({"strategy": "crowd_vote", "members": ["a42", "b42"], "metric": "bleu"}, "metric"),
+        ({"strategy": "crowd_vote", "members": ["a42", "b42"], "temprature": 1}, "Valid parameters: metric"),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1]}, "2 non-negative numbers"),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "weights": [1, -1]}, "non-negative"),
+        ({"strategy": "logit_average", "members": ["fake", "odd"]}, "odd differ from fake.*topk_union"),
+        ({"strategy": "logit_average", "members": ["fake", {"model": "fake", "seed": 3}]}, "per-member temperature"),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "gate": 0.3}, "'gate' applies to mode selective"),
+        (
+            {"strategy": "logit_average", "members": ["fake", "fake"], "mode": "selective", "k": 3},
+            "'k' applies to mode",
+        ),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "selective", "gate": 2}, "at most 1"),
+        (
+            {"strategy": "logit_average", "members": ["fake", "fake"], "mode": "speculative", "lead": "zz"},
+            "'lead' 'zz'",
+        ),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "speculative", "lead": 5}, "member index"),
+        (
+            {"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "mode": "speculative"},
+            "shared vocabulary",
+        ),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "mode": "fast"}, "mode"),
+        (
+            {
+                "strategy": "logit_average",
+                "members": ["fake", "odd"],
+                "align": "topk_union",
+                "mixture_temperature": 0.5,
+            },
+            "mixture_temperature applies",
+        ),
+        (
+            {"strategy": "logit_average", "members": ["fake", "odd"], "align": "topk_union", "space": "logit"},
+            "space 'logit' needs align 'vocab'",
+        ),
+        ({"strategy": "logit_average", "members": ["fake", "fake"], "top_k": 5}, "'top_k' applies to align"),
+        ({"strategy": "logit_average", "members": ["fake", "textonly"]}, "have neither: textonly"),
+        ({"strategy": "exchange_of_thought", "members": ["a42", "b42"], "answer_pattern": "("}, "regular expression"),
+        ({"members": ["a42", "b42"]}, "strategy"),
+        ({"strategy": "crowd_vote", "members": "a42"}, "members"),
+    ],
+)
 def test_bad_ensembles_are_400(client: openai.OpenAI, ensemble: dict[str, Any], match: str) -> None:
     with pytest.raises(openai.BadRequestError, match=match) as err:
         chat(client, ensemble)

@@ -72,13 +72,16 @@ def test_upcycle_hub_layout_and_noise(base: Path, ids: torch.Tensor, tmp_path: P
     assert (logits_of(out, ids) - logits_of(base, ids)).abs().max() > 1e-3  # noisy experts differ on purpose
 
 
-@pytest.mark.parametrize("cfg,needle", [
-    (UpcycleConfig(experts=1, top_k=1), "--experts must be at least 2"),
-    (UpcycleConfig(experts=4, top_k=5), "--top-k must be between 1 and --experts=4"),
-    (UpcycleConfig(experts=4, top_k=2, noise=-1), "--noise"),
-    (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v4"), "--layout must be mixtral, qwen2_moe or deepseek_v3"),  # type: ignore[arg-type]
-    (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v3", shared_expert=True), "does not combine"),
-])
+@pytest.mark.parametrize(
+    "cfg,needle",
+    [
+        (UpcycleConfig(experts=1, top_k=1), "--experts must be at least 2"),
+        (UpcycleConfig(experts=4, top_k=5), "--top-k must be between 1 and --experts=4"),
+        (UpcycleConfig(experts=4, top_k=2, noise=-1), "--noise"),
+        (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v4"), "--layout must be mixtral, qwen2_moe or deepseek_v3"),  # type: ignore[arg-type]
+        (UpcycleConfig(experts=4, top_k=2, layout="deepseek_v3", shared_expert=True), "does not combine"),
+    ],
+)
 def test_upcycle_bad_settings(base: Path, tmp_path: Path, cfg: UpcycleConfig, needle: str) -> None:
     with pytest.raises(BuildError, match=needle):
         upcycle(base, tmp_path / "out", cfg)

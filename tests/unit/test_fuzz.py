@@ -21,9 +21,11 @@ from chorus.errors import InvalidRequest
 from chorus.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.helpers import LiveServer, gateway
 
-CONFIG = {"server": {"limits": {"max_tokens": 32, "max_n": 4}},
-          "models": [{"name": "fake", "engine": "fake"}],
-          "ensembles": [{"name": "vote", "strategy": "crowd_vote", "members": ["fake", "fake"], "metric": "char_rouge_l"}]}
+CONFIG = {
+    "server": {"limits": {"max_tokens": 32, "max_n": 4}},
+    "models": [{"name": "fake", "engine": "fake"}],
+    "ensembles": [{"name": "vote", "strategy": "crowd_vote", "members": ["fake", "fake"], "metric": "char_rouge_l"}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +58,23 @@ def test_no_input_causes_a_server_error(live: LiveServer) -> None:
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "bot", 3]),
                                            "content": st.one_of(st.text(max_size=20), st.none(), st.integers())}),
                     max_size=3)
-bodies = st.fixed_dictionaries({"model": st.text(max_size=5), "messages": messages}, optional={
-    "temperature": st.one_of(st.floats(allow_nan=True), st.integers(-3, 3), st.text(max_size=3)),
-    "top_p": st.floats(allow_nan=True), "top_k": st.integers(-5, 5), "n": st.integers(-2, 200),
-    "max_tokens": st.integers(-5, 10**6), "stop": st.one_of(st.text(), st.lists(st.text(), max_size=6)),
-    "logprobs": st.booleans(), "top_logprobs": st.integers(-2, 30), "seed": st.integers(),
-    "presence_penalty": st.floats(-5, 5), "stream": st.booleans(), "ensemble": st.dictionaries(st.text(), st.integers()),
-})
+bodies = st.fixed_dictionaries(
+    {"model": st.text(max_size=5), "messages": messages},
+    optional={
+        "temperature": st.one_of(st.floats(allow_nan=True), st.integers(-3, 3), st.text(max_size=3)),
+        "top_p": st.floats(allow_nan=True),
+        "top_k": st.integers(-5, 5),
+        "n": st.integers(-2, 200),
+        "max_tokens": st.integers(-5, 10**6),
+        "stop": st.one_of(st.text(), st.lists(st.text(), max_size=6)),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(-2, 30),
+        "seed": st.integers(),
+        "presence_penalty": st.floats(-5, 5),
+        "stream": st.booleans(),
+        "ensemble": st.dictionaries(st.text(), st.integers()),
+    },
+)
 
 
 @given(bodies)
@@ -77,7 +89,9 @@ def test_chat_request_model_accepts_or_rejects_cleanly(body: dict[str, Any]) -> 
     assert len(p.stop) <= 4 and (p.max_tokens is None or p.max_tokens >= 1)
 
 
-@given(st.one_of(st.text(), st.lists(st.integers(-3, 10**6), max_size=5), st.lists(st.text(), max_size=3), st.integers()))
+@given(
+    st.one_of(st.text(), st.lists(st.integers(-3, 10**6), max_size=5), st.lists(st.text(), max_size=3), st.integers())
+)
 @settings(max_examples=200, deadline=None)
 def test_completion_prompt_shapes(prompt: Any) -> None:
     try:

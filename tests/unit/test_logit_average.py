@@ -57,7 +57,10 @@ def test_bad_ensembles_are_refused() -> None:
 
 def test_registry() -> None:
     assert strategy_class("logit_average") is LogitAverageStrategy
-    with pytest.raises(InvalidRequest, match="Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought, logit_average"):
+    with pytest.raises(
+        InvalidRequest,
+        match="Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought, logit_average",
+    ):
         strategy_class("nope")
     with pytest.raises(ValueError, match="already registered"):
         register("logit_average", "x:Y")

@@ -44,8 +44,14 @@ def _config(layout: str, k: int, **extra: Any) -> Any:
     moe = dict(moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=k, n_shared_experts=1,
                first_k_dense_replace=0, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     if layout == "deepseek_v3":
-        return tf.DeepseekV3Config(**{**COMMON, **moe, "num_key_value_heads": 4, **extra}, q_lora_rank=None, kv_lora_rank=16,
-                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        return tf.DeepseekV3Config(
+            **{**COMMON, **moe, "num_key_value_heads": 4, **extra},
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
     return tf.Glm4MoeConfig(**{**COMMON, **moe, **extra})
 
 
@@ -245,17 +251,27 @@ def test_train_moe_continues_an_moe_checkpoint_and_refuses_bad_settings(corpus: 
                                                                        log_every=100), log=lambda _: None)
     assert again["router"] == "switch"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "again").config.num_experts_per_tok == 1
-    bad = [(first, MoeTrainConfig(router="deepseek"), "the deepseek router does not fit the mixtral layout"),
-           (first, MoeTrainConfig(router="dense"), "already an MoE model"),
-           (base, MoeTrainConfig(router="expert-choice"), "--router must be one of"),
-           (base, MoeTrainConfig(router="switch", capacity_factor=0), "--capacity must be > 0"),
-           # a setting the chosen router has no use for is refused, not ignored
-           (base, MoeTrainConfig(router="switch", bias_speed=0.1), "--bias-speed applies to --router deepseek, not switch"),
-           (base, MoeTrainConfig(router="gshard", top_k=3), "--top-k applies to --router deepseek, not gshard"),
-           (base, MoeTrainConfig(router="deepseek", capacity_factor=2.0), "--capacity applies to --router switch / gshard"),
-           (base, MoeTrainConfig(router="dense", experts=8), "--experts applies to upcycling, not to --router dense"),
-           (first, MoeTrainConfig(router="gshard", experts=8), "--experts applies to upcycling a dense base"),
-           (tmp_path / "missing", MoeTrainConfig(), "not a checkpoint directory")]
+    bad = [
+        (first, MoeTrainConfig(router="deepseek"), "the deepseek router does not fit the mixtral layout"),
+        (first, MoeTrainConfig(router="dense"), "already an MoE model"),
+        (base, MoeTrainConfig(router="expert-choice"), "--router must be one of"),
+        (base, MoeTrainConfig(router="switch", capacity_factor=0), "--capacity must be > 0"),
+        # a setting the chosen router has no use for is refused, not ignored
+        (
+            base,
+            MoeTrainConfig(router="switch", bias_speed=0.1),
+            "--bias-speed applies to --router deepseek, not switch",
+        ),
+        (base, MoeTrainConfig(router="gshard", top_k=3), "--top-k applies to --router deepseek, not gshard"),
+        (
+            base,
+            MoeTrainConfig(router="deepseek", capacity_factor=2.0),
+            "--capacity applies to --router switch / gshard",
+        ),
+        (base, MoeTrainConfig(router="dense", experts=8), "--experts applies to upcycling, not to --router dense"),
+        (first, MoeTrainConfig(router="gshard", experts=8), "--experts applies to upcycling a dense base"),
+        (tmp_path / "missing", MoeTrainConfig(), "not a checkpoint directory"),
+    ]
     if not torch.cuda.is_available():
         bad.append((base, MoeTrainConfig(router="switch", device="cuda"), "no CUDA device is available"))
     for src, tc, needle in bad:
@@ -316,7 +332,9 @@ def test_gpu_check_script_runs_on_cpu_with_tiny_shapes() -> None:
     out = subprocess.run(["bash", str(root / "scripts" / "bench-gpu"), "moe", "--tiny", "--cpu", "--steps", "2",
                           "--batch-size", "2", "--seq-len", "32"], capture_output=True, text=True, timeout=600,
                          check=True, env={**os.environ, "PYTHON": sys.executable}).stdout
-    diffs = [line for line in out.splitlines() if line.startswith(("| mixtral", "| qwen2_moe", "| deepseek_v3", "| glm4"))]
+    diffs = [
+        line for line in out.splitlines() if line.startswith(("| mixtral", "| qwen2_moe", "| deepseek_v3", "| glm4"))
+    ]
     assert len(diffs) == 4 and all(float(line.split("|")[2]) < 1e-5 for line in diffs), out
     for arch in ("LlamaForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"):
         assert f"| {arch} " in out

@@ -22,8 +22,16 @@ from tests.helpers import LiveServer, gateway
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[LiveServer]:
-    cfg = ChorusConfig.model_validate({"models": [{"name": "up", "engine": "fake"}, {"name": "flaky", "engine": "fake"}]})
-    with gateway(cfg, engines={"up": FakeEngine("up", script="hello from upstream"), "flaky": FakeEngine("flaky", script="abcdefghij", fail_after=4)}) as srv:
+    cfg = ChorusConfig.model_validate(
+        {"models": [{"name": "up", "engine": "fake"}, {"name": "flaky", "engine": "fake"}]}
+    )
+    with gateway(
+        cfg,
+        engines={
+            "up": FakeEngine("up", script="hello from upstream"),
+            "flaky": FakeEngine("flaky", script="abcdefghij", fail_after=4),
+        },
+    ) as srv:
         yield srv
 
 

@@ -144,23 +144,49 @@ def test_cascade_survives_a_failing_member(client: openai.OpenAI) -> None:
     assert winner(resp) == "unsure" and "failed" in t["reason"] and t["errors"][0]["member"] == "flaky"
 
 
-@pytest.mark.parametrize(("ensemble", "match"), [
-    ({"strategy": "route", "router": "psychic", "members": ["small", "big"]}, "router"),
-    ({"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"small": CHAT}},
-     "needs example prompts for every member but the default; none for: big"),
-    ({"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"huge": MATH}},
-     "unknown members: huge"),
-    ({"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"big": MATH},
-      "threshold": 3}, "threshold"),
-    ({"strategy": "route", "router": "cost", "members": ["small", "big"], "hard_examples": MATH}, "thresholds"),
-    ({"strategy": "route", "router": "cost", "members": ["small", "big", "big"], "hard_examples": MATH,
-      "thresholds": [0.5, 0.1]}, "ascending"),
-    ({"strategy": "route", "router": "random", "members": ["small", "big"], "weights": [1]}, "2 non-negative"),
-    ({"strategy": "cascade", "members": ["small"], "threshold": -1}, "at least 2 members"),
-    ({"strategy": "cascade", "members": ["small", "big"], "threshold": 0.5}, "must be <= 0"),
-    ({"strategy": "cascade", "members": ["small", "big"], "threshold": -1.0, "confidence": "agreement"}, "thresholds are shares"),
-    ({"strategy": "cascade", "members": ["small", "big", "big"], "threshold": [-1, -1, -1]}, "one number or 2"),
-])
+@pytest.mark.parametrize(
+    ("ensemble", "match"),
+    [
+        ({"strategy": "route", "router": "psychic", "members": ["small", "big"]}, "router"),
+        (
+            {"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"small": CHAT}},
+            "needs example prompts for every member but the default; none for: big",
+        ),
+        (
+            {"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"huge": MATH}},
+            "unknown members: huge",
+        ),
+        (
+            {
+                "strategy": "route",
+                "router": "semantic",
+                "members": ["small", "big"],
+                "examples": {"big": MATH},
+                "threshold": 3,
+            },
+            "threshold",
+        ),
+        ({"strategy": "route", "router": "cost", "members": ["small", "big"], "hard_examples": MATH}, "thresholds"),
+        (
+            {
+                "strategy": "route",
+                "router": "cost",
+                "members": ["small", "big", "big"],
+                "hard_examples": MATH,
+                "thresholds": [0.5, 0.1],
+            },
+            "ascending",
+        ),
+        ({"strategy": "route", "router": "random", "members": ["small", "big"], "weights": [1]}, "2 non-negative"),
+        ({"strategy": "cascade", "members": ["small"], "threshold": -1}, "at least 2 members"),
+        ({"strategy": "cascade", "members": ["small", "big"], "threshold": 0.5}, "must be <= 0"),
+        (
+            {"strategy": "cascade", "members": ["small", "big"], "threshold": -1.0, "confidence": "agreement"},
+            "thresholds are shares",
+        ),
+        ({"strategy": "cascade", "members": ["small", "big", "big"], "threshold": [-1, -1, -1]}, "one number or 2"),
+    ],
+)
 def test_bad_routing_is_400(client: openai.OpenAI, ensemble: dict[str, Any], match: str) -> None:
     with pytest.raises(openai.BadRequestError, match=match) as err:
         client.chat.completions.create(model="small", messages=[{"role": "user", "content": "q"}],

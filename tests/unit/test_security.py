@@ -33,7 +33,10 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def fakes() -> dict[str, FakeEngine]:
-    return {"fake": FakeEngine("fake", max_model_len=4000), "slow": FakeEngine("slow", delay=0.02, max_model_len=100_000)}
+    return {
+        "fake": FakeEngine("fake", max_model_len=4000),
+        "slow": FakeEngine("slow", delay=0.02, max_model_len=100_000),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +173,11 @@ def test_request_id_and_metrics(server: LiveServer) -> None:
 
 def test_access_log_has_the_request_id_and_no_prompt(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="chorus.access"):
-        httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-admin", "X-Request-ID": "r-1"},
-                   json={"model": "fake", "messages": [{"role": "user", "content": "secret words"}], "max_tokens": 2})
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            headers={"Authorization": "Bearer sk-admin", "X-Request-ID": "r-1"},
+            json={"model": "fake", "messages": [{"role": "user", "content": "secret words"}], "max_tokens": 2},
+        )
         assert wait_until(lambda: any(getattr(r, "request_id", None) == "r-1" for r in caplog.records), 5)
     rec = next(r for r in caplog.records if getattr(r, "request_id", None) == "r-1")
     assert rec.status == 200 and rec.key == "admin" and rec.model == "fake" and rec.usage["completion_tokens"] == 2

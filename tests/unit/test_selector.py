@@ -202,3 +202,13 @@ def test_the_evaluation_protocol_fits_on_one_half_and_reports_on_the_other(
     assert "24 held-out items" in out and "best on train" in out and "oracle (some member right)" in out
     diff = float(out.split("largest |difference| of a choice's probability ")[1].split()[0])
     assert diff < 1e-9
+
+
+def test_a_config_naming_a_selector_for_other_members_is_a_config_error(gateway_with_selector: Any) -> None:
+    from chorus.config import ChorusConfig
+
+    models = [{"name": n, "engine": "fake"} for n in ("m1", "m2")]
+    ok = {"name": "sel", "strategy": "select", "artifact": "letters", "members": ["m1", "m2"]}
+    assert ChorusConfig.model_validate({"models": models, "ensembles": [ok]}).ensembles[0].name == "sel"
+    with pytest.raises(ValueError, match="trained on members"):
+        ChorusConfig.model_validate({"models": models, "ensembles": [{**ok, "members": ["m2", "m1"]}]})

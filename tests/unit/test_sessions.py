@@ -174,7 +174,9 @@ def test_idle_sessions_are_freed() -> None:
 
 def test_session_api_needs_a_key_when_keys_are_set() -> None:
     cfg = config()
-    with gateway(cfg, engines={"fake": FakeEngine("fake"), "slow": FakeEngine("slow")}, api_keys="gw:secret-key-123") as srv:
+    with gateway(
+        cfg, engines={"fake": FakeEngine("fake"), "slow": FakeEngine("slow")}, api_keys="gw:secret-key-123"
+    ) as srv:
         with api(srv) as c:
             assert c.post(S, json={"model": "fake", "prompt": [1]}).status_code == 401
             ok = c.post(S, json={"model": "fake", "prompt": [1]}, headers={"Authorization": "Bearer secret-key-123"})

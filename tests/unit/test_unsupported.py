@@ -14,22 +14,46 @@ from tests.helpers import LiveServer
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("kwargs,param,words", [
-    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
-    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]},
-     "messages[0].content[1]", "'image_url'"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio",
-                                                 "input_audio": {"data": "AA", "format": "wav"}}]}]},
-     "messages[0].content[0]", "text parts only"),
-    ({"tools": [{"type": "function"}]}, "tools[0].function", "'function' object"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "needs 'tool_call_id'"),
-    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream' is true"),
-    ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param,words",
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[1]",
+            "'image_url'",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0]",
+            "text parts only",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "'function' object"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "needs 'tool_call_id'"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream' is true"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+    ],
+)
 def test_unsupported_chat_fields_are_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any], param: str,
                                                        words: str) -> None:
     body = {"model": "fake", "messages": USER, **kwargs}
