@@ -19,6 +19,7 @@ two disjoint halves by ``--split-seed``: the training half and the held-out half
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,8 @@ def table(systems: list[tuple[str, np.ndarray, float]], reference: np.ndarray, o
 def main(args: argparse.Namespace) -> int:
     import httpx
 
-    from chorus.cli.selector import member_answers
-    from chorus.ensembles.select import artifact_path
+    from chorus.clients.eval_choices import member_answers
+    from chorus.ensembles.selection import artifact_path
     from chorus.training.selector import data_hash, fit_selector
 
     members, cache = args.member, Path(args.cache)
@@ -105,6 +106,8 @@ def main(args: argparse.Namespace) -> int:
     per_item = {**secs, systems[len(members)][0]: secs[members[best]], "uniform average": every,
                 systems[len(members) + 2][0]: secs[sel.fallback] if sel.fallback else every,
                 "random member": float(np.mean(list(secs.values()))), "oracle (some member right)": every}
+    router_text = routing(args, members, tr_items, tr_answers, tr_gold, te_items, te_answers, te_gold, secs,
+                          best, reference, cache)
     cv = sel.training["cv"]
     print(f"## {len(te_items)} held-out items; {split}; {len(tr_items)} training items; members "
           f"{', '.join(members)}\n")
@@ -112,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n- selector {args.name}: C = {sel.C} by {sel.training['folds']}-fold cross-validation on the training "
           f"items; cross-validated gain over the best member {100 * cv['gain']:+.1f} [{100 * cv['gain_ci'][0]:+.1f}, "
           f"{100 * cv['gain_ci'][1]:+.1f}]" + (f"; falls back to {sel.fallback}" if sel.fallback else "; served"))
+    print(router_text)
     if args.served_check:
         ensemble = {"strategy": "select", "artifact": args.name, "members": members}
         worst = 0.0
@@ -125,6 +129,59 @@ def main(args: argparse.Namespace) -> int:
         print(f"- the served select ensemble vs the offline selector on the first {args.served_check} held-out "
               f"items: largest |difference| of a choice's probability {worst:.1e}")
     return 0
+
+
+MARGINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
+
+
+def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], tr_answers: list[Any],
+            tr_gold: np.ndarray, te_items: list[Any], te_answers: list[Any], te_gold: np.ndarray,
+            secs: dict[str, float], best: int, reference: np.ndarray, cache: Path) -> str:
+    """Fit the prompt-only router on the training items, save it beside the selector, and report it on the
+    held-out items at several margins: accuracy against cost, and the share of calls sent to the best member."""
+    from chorus.ensembles.similarity import Embedder
+    from chorus.training.selector import data_hash, fit_router
+
+    def right(answers: list[Any], gold: np.ndarray) -> np.ndarray:
+        return np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(len(members))]
+                         for a, g in zip(answers, gold)], int)
+
+    tr_right, te_right = right(tr_answers, tr_gold), right(te_answers, te_gold)
+    train_secs = member_seconds(cache, Path(args.train), members, [it.id for it in tr_items])
+    router = fit_router(members, Embedder.embed([it.prompt for it in tr_items]), tr_right,
+                        [train_secs[m] for m in members], data_hash=f"{data_hash(Path(args.train))}:router",
+                        seed=args.seed)
+    from chorus.ensembles.selection import artifact_path
+
+    router.save(artifact_path(args.name))
+    te_emb = Embedder.embed([it.prompt for it in te_items])
+    preds = [router.predict(q)[0] for q in te_emb]
+    learned = dataclasses.replace(router, fallback=None)  # the table shows the routing even where it falls back
+    best_acc = float(reference.mean())
+    rows, reached = [], None
+    for margin in MARGINS:
+        chosen = np.array([learned.choose(p, margin) for p in preds])
+        got = te_right[np.arange(len(te_gold)), chosen]
+        lo, hi = S.accuracy_interval(got)
+        d = S.paired_difference(got, reference)
+        share = float((chosen == best).mean())
+        if reached is None and got.mean() >= best_acc:
+            reached = (margin, share)
+        rows.append([f"{margin:g}", f"{100 * got.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}]",
+                     f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], p={d.p_mcnemar:.2f}",
+                     f"{share:.0%}", f"{np.mean([secs[members[c]] for c in chosen]):.2f}"])
+    cv = router.training["cv"]
+    head = (f"\n### Prompt-only router (k = {router.k} by cross-validation; costs: training seconds per item "
+            + ", ".join(f"{m} {train_secs[m]:.2f}" for m in members) + ")\n")
+    lines = [head, markdown_table(["margin", "acc [95% CI]", "Δ vs best on train [95% CI], McNemar p",
+                                   f"calls to {members[best]}", "s/item"], rows), "",
+             f"- cross-validated on the training items at margin 0: {100 * cv['router_acc']:.1f} against the best "
+             f"member's {100 * cv['best_member_acc']:.1f} ({100 * cv['gain']:+.1f} [{100 * cv['gain_ci'][0]:+.1f}, "
+             f"{100 * cv['gain_ci'][1]:+.1f}])" + (f"; served: falls back to {router.fallback}" if router.fallback
+                                                  else "; served as routed"),
+             "- the smallest share of calls to the best member that keeps its held-out accuracy: "
+             + (f"{reached[1]:.0%} (margin {reached[0]:g})" if reached else "not reached at any margin")]
+    return "\n".join(lines)
 
 
 def member_seconds(cache: Path, data: Path, members: list[str], ids: list[str]) -> dict[str, float]:

@@ -6,39 +6,15 @@ evaluations), fit the selector (chorus/training/selector.py) and write its artif
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 
-def member_answers(url: str, data: Path, members: list[str], cache: Path, *, offset: int = 0,
-                   limit: int | None = None, concurrency: int = 1, timeout: float = 600.0,
-                   headers: dict[str, str] | None = None) -> tuple[list[Any], list[list[dict[str, list[float]]]]]:
-    """The items of ``data`` and, per item, every member's probabilities per normalisation (scored through
-    ``url`` where the cache does not have them)."""
-    import httpx
-
-    from chorus.clients.eval_choices import NORMS, cache_file, load_items, run_system
-
-    items = load_items(data, offset, limit)
-    if not items:
-        raise SystemExit(f"chorus: no items in {data}")
-
-    async def run() -> list[Any]:
-        async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers or {}) as http:
-            return [await run_system(http, m, {"model": m, "logprobs": True}, items, cache_file(cache, data, m),
-                                     concurrency) for m in members]
-
-    runs = asyncio.run(run())
-    answers = [[{nm: r.records[i]["probabilities"][nm] for nm in NORMS} for r in runs] for i in range(len(items))]
-    return items, answers
-
-
 def train_selector(args: argparse.Namespace) -> int:
-    from chorus.ensembles.select import artifact_path
+    from chorus.clients.eval_choices import member_answers
+    from chorus.ensembles.selection import artifact_path
     from chorus.training.selector import data_hash, fit_selector
 
     if len(args.member) < 2:

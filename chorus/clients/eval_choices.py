@@ -313,6 +313,25 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
     return "\n".join([title, report(systems, gold), *agreement(systems)])
 
 
+def member_answers(url: str, data: Path, members: list[str], cache: Path, *, offset: int = 0,
+                   limit: int | None = None, concurrency: int = 1, timeout: float = 600.0,
+                   headers: dict[str, str] | None = None) -> tuple[list[Any], list[list[dict[str, list[float]]]]]:
+    """The items of ``data`` and, per item, every member's probabilities per normalisation (scored through
+    ``url`` where the cache does not have them)."""
+    items = load_items(data, offset, limit)
+    if not items:
+        raise SystemExit(f"chorus: no items in {data}")
+
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers or {}) as http:
+            return [await run_system(http, m, {"model": m, "logprobs": True}, items, cache_file(cache, data, m),
+                                     concurrency) for m in members]
+
+    runs = asyncio.run(run())
+    answers = [[{nm: r.records[i]["probabilities"][nm] for nm in NORMS} for r in runs] for i in range(len(items))]
+    return items, answers
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", action="append", help='multiple choice: an ensemble from cached member scores, e.g. '
                    '\'{"label": "avg", "members": ["a", "b"], "pool": "linear", "weights": "fit"}\' (repeatable)')

@@ -30,17 +30,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from chorus.engines.base import Delta
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member
+from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import ROUTE_DECISIONS
+from chorus.ensembles.router_model import LearnedRouter
+from chorus.ensembles.selection import artifact_path
 from chorus.ensembles.similarity import Embedder
-from chorus.errors import InvalidRequest
+from chorus.errors import ConfigError, InvalidRequest
 
-ROUTERS = ("random", "semantic", "cost")
+ROUTERS = ("random", "semantic", "cost", "learned")
 
 
 class RouteParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    router: Literal["random", "semantic", "cost"]
+    router: Literal["random", "semantic", "cost", "learned"]
     weights: list[float] | None = Field(default=None, description="random: one per member (default equal)")
     examples: dict[str, list[str]] | None = Field(default=None, description="semantic: member label -> prompts")
     examples_file: str | None = Field(default=None, description='semantic: JSONL of {"member": ..., "prompt": ...}')
@@ -51,6 +54,9 @@ class RouteParams(BaseModel):
     hard_examples: list[str] | None = Field(default=None, description="cost: prompts that need a strong model")
     easy_examples: list[str] | None = Field(default=None, description="cost: prompts a weak model handles")
     thresholds: list[float] | None = Field(default=None, description="cost: ascending, one fewer than members")
+    artifact: str | None = Field(default=None, description="learned: a router trained by chorus bench selector")
+    margin: float | None = Field(default=None, ge=0.0, le=1.0,
+                                 description="learned: predicted-accuracy margin for a cheaper member (artifact's)")
 
     @field_validator("thresholds")
     @classmethod
@@ -75,6 +81,24 @@ def load_examples(path: str) -> dict[str, list[str]]:
                 raise InvalidRequest(f"{path}:{n}: need {{\"member\": ..., \"prompt\": ...}}",
                                      param="ensemble.examples_file") from None
     return out
+
+
+def load_router(name: str | None, members: list[str]) -> LearnedRouter:
+    if not name:
+        raise InvalidRequest("router: learned needs 'artifact' (a router trained by `chorus bench selector`).",
+                             param="ensemble.artifact")
+    path = artifact_path(name)
+    file = path / "router.json" if path.is_dir() else path
+    if not file.is_file():
+        raise InvalidRequest(f"No router artifact {name!r} at {file}.", param="ensemble.artifact")
+    try:
+        router = LearnedRouter.load(file)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc), param="ensemble.artifact") from None
+    if members != router.members:
+        raise InvalidRequest(f"The router {name!r} was trained on members {router.members}; this ensemble has "
+                             f"{members} (same models, same order).", param="ensemble.members")
+    return router
 
 
 def knn_similarity(query: np.ndarray, examples: np.ndarray, k: int) -> float:
@@ -105,6 +129,12 @@ class Route(Strategy):
                     f"'weights' must be {n} non-negative numbers (one per member) with a positive sum.",
                     param="ensemble.weights",
                 )
+        if p.router != "learned" and (p.artifact is not None or p.margin is not None):
+            raise InvalidRequest("'artifact' and 'margin' apply to router: learned only.", param="ensemble.router")
+        if p.router == "learned":
+            self.learned = load_router(p.artifact, [m.spec.model for m in self.members])
+        elif p.router == "random":
+            pass
         elif p.router == "semantic":
             examples = dict(p.examples or {})
             if p.examples_file:
@@ -136,7 +166,7 @@ class Route(Strategy):
 
     async def warm(self) -> None:
         """Embed the examples (once; named ensembles do it at start-up)."""
-        if self.params.router != "random" and self._embedded is None:
+        if self.params.router not in ("random", "learned") and self._embedded is None:
             labels = list(self.examples)
             texts = [t for lb in labels for t in self.examples[lb]]
             emb = await asyncio.to_thread(Embedder.embed, texts)
@@ -162,6 +192,8 @@ class Route(Strategy):
                 "weights": w,
                 "reason": "weighted random choice" + (f" (seed {seed})" if seed is not None else ""),
             }
+        if p.router == "learned":
+            return await self.choose_learned(call.prompt.question)
         if p.router == "cost":
             score = await self.score(call.prompt.question)
             i = bisect.bisect_right(p.thresholds or [], score)  # set for a cost router (checked at build)
@@ -183,6 +215,33 @@ class Route(Strategy):
                                                     f"{p.threshold}: default member"}
         return next(m for m in self.members if m.label == best), {
             **info, "reason": f"{best} has the most similar examples among the {len(nearest)} nearest"}
+
+    async def choose_learned(self, text: str) -> tuple[Member, dict[str, Any]]:
+        r = self.learned
+        q = (await asyncio.to_thread(Embedder.embed, [text]))[0]
+        pred, nearest, sims = r.predict(q)
+        i = r.choose(pred, self.params.margin)
+        margin = r.margin if self.params.margin is None else self.params.margin
+        info = {"predicted_correct": {m.label: round(float(x), 4) for m, x in zip(self.members, pred)},
+                "neighbours": [{"item": int(j), "similarity": round(float(s), 4)} for j, s in zip(nearest, sims)],
+                "margin": margin, "fallback": r.fallback,
+                "reason": (f"fallback to {r.fallback}: {r.training.get('fallback_reason')}" if r.fallback else
+                           f"the cheapest member predicted within {margin} of the best")}
+        return self.members[i], info
+
+    async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
+        """A learned router answers a multiple-choice question with the one member it picks from the prompt;
+        the other routers average every member (the base behaviour)."""
+        if self.params.router != "learned":
+            return await super().score_choices(call, question, combine)
+        if question.text is None:
+            raise InvalidRequest("A learned router reads a text 'prompt', not chat 'messages'.", param="messages")
+        member, why = await self.choose_learned(question.text)
+        ROUTE_DECISIONS.labels(self.ensemble, "learned", member.label).inc()
+        answer, tokens = await question.answer(member.engine)
+        call.record(member, tokens, 0)
+        answer.trace = {"router": "learned", **why, "winner": {"member": member.label}}
+        return answer
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         seed = call.sampling({}).seed

@@ -20,12 +20,11 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.base import Delta
-from chorus.engines.spec import chorus_home
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import SELECTOR_CHOICES
-from chorus.ensembles.selection import NORMS, Selector
+from chorus.ensembles.selection import NORMS, Selector, artifact_path, selectors_dir
 from chorus.errors import ConfigError, InvalidRequest
 
 
@@ -33,19 +32,6 @@ class SelectParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     artifact: str = Field(min_length=1, description="a trained selector's name (or path) in $CHORUS_HOME/selectors")
-
-
-def selectors_dir() -> Path:
-    return chorus_home() / "selectors"
-
-
-def artifact_path(name: str) -> Path:
-    root = selectors_dir().resolve()
-    path = (root / name).resolve()
-    if not path.is_relative_to(root):
-        raise InvalidRequest(f"'artifact' must name a selector inside {root} (got {name!r}).",
-                             param="ensemble.artifact")
-    return path
 
 
 @functools.lru_cache(maxsize=32)

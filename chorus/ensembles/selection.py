@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from chorus.errors import ConfigError
+from chorus.engines.spec import chorus_home
+from chorus.errors import ConfigError, InvalidRequest
 
 NORMS = ("sum", "mean", "char")
 PER_MEMBER_CHOICE = ("p", "logp", "top", "rank")
@@ -119,3 +120,18 @@ class Selector:
         if sel.fallback is not None and sel.fallback not in sel.members:
             raise ConfigError(f"{path}: the fallback {sel.fallback!r} is not one of its members")
         return sel
+
+
+def selectors_dir() -> Path:
+    """Where trained selectors and routers live: ``$CHORUS_HOME/selectors``."""
+    return chorus_home() / "selectors"
+
+
+def artifact_path(name: str, param: str = "ensemble.artifact") -> Path:
+    """A trained artifact by name (or a path inside `selectors_dir`): a request cannot make the server read
+    files elsewhere."""
+    root = selectors_dir().resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidRequest(f"'artifact' must name a selector inside {root} (got {name!r}).", param=param)
+    return path

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from chorus.ensembles.router_model import LearnedRouter, pack
 from chorus.ensembles.selection import NORMS, Selector, choice_features, feature_names
 
 C_GRID = (0.01, 0.1, 1.0, 10.0)  #: the logistic regression's inverse regularisation, chosen by cross-validation
@@ -94,3 +95,60 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
 
 def data_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+K_GRID = (5, 10, 20, 50)  #: the router's neighbours, chosen by cross-validation
+
+
+def fit_router(members: list[str], embeddings: np.ndarray, correct: np.ndarray, costs: list[float], *,
+               margin: float = 0.0, data_hash: str, folds: int = 5, seed: int = 0) -> LearnedRouter:
+    """The prompt-only router: ``embeddings`` (items, dim) unit vectors of the training prompts, ``correct``
+    (items, members) whether each member was right, ``costs`` each member's price per item. Its k is chosen by
+    cross-validated accuracy at ``margin``. It falls back to the best member where, at that margin, its
+    cross-validated accuracy is below the best member's with an interval that excludes zero (a router is
+    there to keep accuracy for fewer calls of the best member, so equal accuracy is not a reason to fall back)."""
+    from sklearn.model_selection import KFold
+
+    from chorus.clients import eval_stats
+
+    n = len(correct)
+    if n < 2 * folds:
+        raise ValueError(f"need at least {2 * folds} labelled items to cross-validate, got {n}")
+    emb = np.asarray(embeddings, dtype=np.float64)
+    right = np.asarray(correct, dtype=int)
+    kf = KFold(folds, shuffle=True, random_state=seed)
+
+    def router(idx: np.ndarray, k: int) -> LearnedRouter:
+        return LearnedRouter(members, list(costs), k, margin, emb.shape[1], pack(emb[idx]), right[idx].tolist())
+
+    per_k: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    best_right = np.zeros(n, dtype=int)
+    for k in K_GRID:
+        got, to = np.zeros(n, dtype=int), np.zeros(n, dtype=int)
+        for train_i, test_i in kf.split(np.arange(n)):
+            r = router(train_i, min(k, len(train_i)))
+            best = int(right[train_i].mean(axis=0).argmax())
+            for i in test_i:
+                c = r.choose(r.predict(emb[i])[0])
+                got[i], to[i] = right[i, c], int(c == best)
+            best_right[test_i] = right[test_i, best]
+        per_k[k] = (got, to)
+    k_best = max(K_GRID, key=lambda k: (per_k[k][0].mean(), -k))
+    got, to = per_k[k_best]
+    diff = eval_stats.paired_difference(got, best_right)
+    best_overall = int(right.mean(axis=0).argmax())
+    fallback = members[best_overall] if diff.high < 0 else None
+    training = {
+        "items": n, "data_sha256": data_hash, "folds": folds, "seed": seed, "k_grid": list(K_GRID),
+        "cv": {"router_acc": float(got.mean()), "best_member_acc": float(best_right.mean()), "gain": diff.delta,
+               "gain_ci": [diff.low, diff.high], "mcnemar_p": diff.p_mcnemar, "share_to_best": float(to.mean()),
+               "acc_by_k": {str(k): float(v[0].mean()) for k, v in per_k.items()}},
+        "member_acc": {m: float(right[:, i].mean()) for i, m in enumerate(members)},
+        "fallback_reason": None if fallback is None else
+        f"at margin {margin} the cross-validated accuracy is below the best member's ({100 * diff.delta:+.1f} "
+        f"points, 95% CI [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}])",
+    }
+    out = router(np.arange(n), k_best)
+    out.fallback, out.training = fallback, training
+    out.versions = {p: version(p) for p in ("chorus-gateway", "scikit-learn", "numpy")}
+    return out

@@ -176,7 +176,7 @@ def test_select_generates_nothing_and_reads_text_prompts(gateway_with_selector: 
 
 
 def test_malformed_training_rows_name_the_file_and_line(tmp_path: Path) -> None:
-    from chorus.cli.selector import member_answers
+    from chorus.clients.eval_choices import member_answers
 
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(DATA[0]) + "\n" + json.dumps({"question": "no choices", "label": 0}) + "\n")
@@ -212,3 +212,49 @@ def test_a_config_naming_a_selector_for_other_members_is_a_config_error(gateway_
     assert ChorusConfig.model_validate({"models": models, "ensembles": [ok]}).ensembles[0].name == "sel"
     with pytest.raises(ValueError, match="trained on members"):
         ChorusConfig.model_validate({"models": models, "ensembles": [{**ok, "members": ["m2", "m1"]}]})
+
+
+def test_a_router_finds_which_member_is_right_on_which_cluster_of_prompts(tmp_path: Path) -> None:
+    """Member A is right on one cluster of prompts, B on another: the k-NN router must send each cluster to its
+    member; with A cheaper and a wide margin it sends everything to A."""
+    from chorus.ensembles.router_model import LearnedRouter
+    from chorus.training.selector import fit_router
+
+    rng = np.random.default_rng(0)
+    centres = np.eye(8)[:2]
+    emb = np.concatenate([centres[c] + 0.05 * rng.standard_normal((60, 8)) for c in (0, 1)])
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    correct = np.array([[1, 0]] * 60 + [[0, 1]] * 60)
+    router = fit_router(["a", "b"], emb, correct, [1.0, 2.0], data_hash="x")
+    assert router.fallback is None and router.training["cv"]["router_acc"] > 0.95
+    assert router.choose(router.predict(centres[0])[0]) == 0 and router.choose(router.predict(centres[1])[0]) == 1
+    assert router.choose(router.predict(centres[1])[0], margin=1.0) == 0  # the cheaper one, inside the margin
+    back = LearnedRouter.load(router.save(tmp_path / "r"))
+    assert back == router and np.allclose(back.predict(centres[1])[0], router.predict(centres[1])[0])
+
+
+def test_the_learned_router_serves_one_member_over_choices(gateway_with_selector: Any) -> None:
+    from chorus.ensembles.similarity import Embedder
+    from chorus.training.selector import fit_router
+
+    srv, home = gateway_with_selector
+    prompts = [f"Question: {r['question']}\nAnswer: " for r in DATA]
+    correct = np.array([[i % 2, 1 - i % 2] for i in range(len(DATA))])
+    router = fit_router(["m1", "m2"], Embedder.embed(prompts), correct, [1.0, 1.0], data_hash="x", folds=3)
+    router.save(home / "selectors" / "letters")
+    spec = {"strategy": "route", "router": "learned", "artifact": "letters", "members": ["m1", "m2"]}
+    r = choices(srv, {"model": "m1", "prompt": prompts[0], "choices": DATA[0]["choices"], "ensemble": spec,
+                      "trace": True}).json()
+    trace = r["ensemble"]
+    assert trace["router"] == "learned" and trace["winner"]["member"] in ("m1", "m2")
+    assert set(trace["predicted_correct"]) == {"m1", "m2"} and len(trace["neighbours"]) == router.k
+    bad = choices(srv, {"model": "m1", "prompt": "Q", "choices": ["a", "b"],
+                        "ensemble": {**spec, "members": ["m2", "m1"]}})
+    assert bad.status_code == 400 and "trained on members" in bad.json()["error"]["message"]
+    bad = choices(srv, {"model": "m1", "prompt": "Q", "choices": ["a", "b"],
+                        "ensemble": {**spec, "router": "semantic", "examples": {"m2": ["x"]}}})
+    assert bad.status_code == 400 and "router: learned only" in bad.json()["error"]["message"]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(model="m1", messages=[{"role": "user", "content": prompts[1]}],
+                                         max_tokens=3, extra_body={"ensemble": {**spec, "trace": True}})
+    assert out.choices[0].message.content and out.model_extra["ensemble"]["router"] == "learned"
