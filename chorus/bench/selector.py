@@ -73,7 +73,7 @@ def table(systems: list[tuple[str, np.ndarray, float]], reference: np.ndarray, o
 def main(args: argparse.Namespace) -> int:
     import httpx
 
-    from chorus.clients.eval_choices import member_answers
+    from chorus.clients.eval_choices import member_answers, member_seconds
     from chorus.ensembles.selection import artifact_path
     from chorus.training.selector import data_hash, fit_selector
 
@@ -139,6 +139,7 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
             secs: dict[str, float], best: int, reference: np.ndarray, cache: Path) -> str:
     """Fit the prompt-only router on the training items, save it beside the selector, and report it on the
     held-out items at several margins: accuracy against cost, and the share of calls sent to the best member."""
+    from chorus.clients.eval_choices import member_seconds
     from chorus.ensembles.similarity import Embedder
     from chorus.training.selector import data_hash, fit_router
 
@@ -182,16 +183,6 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
              "- the smallest share of calls to the best member that keeps its held-out accuracy: "
              + (f"{reached[1]:.0%} (margin {reached[0]:g})" if reached else "not reached at any margin")]
     return "\n".join(lines)
-
-
-def member_seconds(cache: Path, data: Path, members: list[str], ids: list[str]) -> dict[str, float]:
-    from chorus.clients.eval_choices import cache_file, read_cache
-
-    out = {}
-    for m in members:
-        recs = read_cache(cache_file(cache, data, m))
-        out[m] = float(np.mean([recs[i]["seconds"] for i in ids if i in recs] or [0.0]))
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

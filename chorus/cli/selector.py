@@ -1,7 +1,8 @@
 """``chorus train selector``: score labelled multiple-choice items with each member through a running chorus
 (``/v1/choices``, cached as ``chorus eval --cache`` caches them, so members run once across trainings and
-evaluations), fit the selector (chorus/training/selector.py) and write its artifact to
-``$CHORUS_HOME/selectors/NAME`` for the ``select`` strategy."""
+evaluations), fit the selector and the prompt-only router (chorus/training/selector.py) and write both
+artifacts to ``$CHORUS_HOME/selectors/NAME`` (``selector.json`` for the ``select`` strategy, ``router.json`` for
+``route`` with ``router: learned``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import numpy as np
 
 
 def train_selector(args: argparse.Namespace) -> int:
-    from chorus.clients.eval_choices import member_answers
+    from chorus.clients.eval_choices import member_answers, member_seconds
     from chorus.ensembles.selection import artifact_path
-    from chorus.training.selector import data_hash, fit_selector
+    from chorus.ensembles.similarity import Embedder
+    from chorus.training.selector import data_hash, fit_router, fit_selector
 
     if len(args.member) < 2:
         sys.exit("chorus train selector: give at least two --member models")
@@ -27,9 +29,16 @@ def train_selector(args: argparse.Namespace) -> int:
         sel = fit_selector(args.member, answers, gold, [len(it.prompt) for it in items],
                            data_hash=f"{data_hash(data)}:{args.offset}:{args.limit}", folds=args.folds,
                            seed=args.seed)
+        secs = member_seconds(Path(args.cache), data, args.member, [it.id for it in items])
+        right = np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(len(args.member))]
+                          for a, g in zip(answers, gold)], int)
+        router = fit_router(args.member, Embedder.embed([it.prompt for it in items]), right,
+                            [secs[m] for m in args.member], margin=args.margin,
+                            data_hash=f"{data_hash(data)}:{args.offset}:{args.limit}", folds=args.folds, seed=args.seed)
     except ValueError as exc:
         sys.exit(f"chorus train selector: {exc}")
     out = sel.save(artifact_path(args.out))
+    router.save(artifact_path(args.out))
     cv = sel.training["cv"]
     print(f"selector {args.out}: {len(items)} items of {data}, members {', '.join(args.member)}")
     print(f"  cross-validated ({args.folds} folds): selector {100 * cv['selector_acc']:.1f}, best member "
@@ -37,7 +46,11 @@ def train_selector(args: argparse.Namespace) -> int:
           f"{100 * cv['gain_ci'][1]:+.1f}] (McNemar p = {cv['mcnemar_p']:.2f}), oracle {100 * cv['oracle_acc']:.1f}")
     if sel.fallback:
         print(f"  falls back to {sel.fallback}: {sel.training['fallback_reason']}")
-    print(f"  written to {out}")
+    rcv = router.training["cv"]
+    print(f"  router (k = {router.k}, margin {args.margin:g}): cross-validated {100 * rcv['router_acc']:.1f}, "
+          f"{rcv['share_to_best']:.0%} of the calls to the best member" +
+          (f"; falls back to {router.fallback}" if router.fallback else ""))
+    print(f"  written to {out.parent}")
     return 0
 
 
@@ -52,4 +65,6 @@ def train_selector_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int)
     p.add_argument("--folds", type=int, default=5, help="cross-validation folds (regularisation and the fallback)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--margin", type=float, default=0.0,
+                   help="router: a cheaper member answers when its predicted accuracy is within this of the best")
     p.add_argument("--concurrency", type=int, default=1)

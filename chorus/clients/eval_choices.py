@@ -332,6 +332,14 @@ def member_answers(url: str, data: Path, members: list[str], cache: Path, *, off
     return items, answers
 
 
+def member_seconds(cache: Path, data: Path, members: list[str], ids: list[str]) -> dict[str, float]:
+    out = {}
+    for m in members:
+        recs = read_cache(cache_file(cache, data, m))
+        out[m] = float(np.mean([recs[i]["seconds"] for i in ids if i in recs] or [0.0]))
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", action="append", help='multiple choice: an ensemble from cached member scores, e.g. '
                    '\'{"label": "avg", "members": ["a", "b"], "pool": "linear", "weights": "fit"}\' (repeatable)')

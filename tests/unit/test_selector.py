@@ -108,7 +108,7 @@ def gateway_with_selector(tmp_path_factory: pytest.TempPathFactory) -> Any:
         with serve_fakes(engines) as srv:
             args = argparse.Namespace(url=srv.url + "/v1", data=str(data), member=["m1", "m2"], out="letters",
                                       cache=str(home / "cache"), offset=0, limit=None, folds=3, seed=0,
-                                      concurrency=2)
+                                      concurrency=2, margin=0.0)
             assert train_selector(args) == 0
             yield srv, home
     finally:
