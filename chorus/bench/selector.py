@@ -47,6 +47,10 @@ def rows_of(sel: Any, members: list[str], answers: list[Any], gold: np.ndarray, 
     chosen = [int(np.argmax(sel.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
     label = "select" + (f" (falls back to {sel.fallback})" if sel.fallback else "")
     out.append((label, (np.array(chosen) == gold).astype(int), 1.0 if sel.fallback else float(m)))
+    if sel.fallback:  # what the learner would have given: shown, not served
+        learner = dataclasses.replace(sel, fallback=None)
+        chosen = [int(np.argmax(learner.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
+        out.append(("select's learner (not served)", (np.array(chosen) == gold).astype(int), float(m)))
     pick = np.random.default_rng(seed).integers(m, size=len(gold))
     out.append(("random member", right[np.arange(len(gold)), pick], 1.0))
     out.append(("oracle (some member right)", right.max(axis=1), float(m)))
@@ -105,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     every = float(sum(secs.values()))
     per_item = {**secs, systems[len(members)][0]: secs[members[best]], "uniform average": every,
                 systems[len(members) + 2][0]: secs[sel.fallback] if sel.fallback else every,
+                "select's learner (not served)": every,
                 "random member": float(np.mean(list(secs.values()))), "oracle (some member right)": every}
     router_text = routing(args, members, tr_items, tr_answers, tr_gold, te_items, te_answers, te_gold, secs,
                           best, reference, cache)
@@ -134,6 +139,20 @@ def main(args: argparse.Namespace) -> int:
 MARGINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3)
 
 
+def prices(given: list[str], members: list[str]) -> dict[str, float]:
+    """``MEMBER=COST`` pairs, one for every member (or none)."""
+    out = {}
+    for pair in given:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            sys.exit(f"chorus: --price {pair!r}: need MEMBER=NUMBER")
+    if out and set(out) != set(members):
+        sys.exit(f"chorus: --price needs one price for every member ({', '.join(members)})")
+    return out
+
+
 def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], tr_answers: list[Any],
             tr_gold: np.ndarray, te_items: list[Any], te_answers: list[Any], te_gold: np.ndarray,
             secs: dict[str, float], best: int, reference: np.ndarray, cache: Path) -> str:
@@ -148,7 +167,8 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
                          for a, g in zip(answers, gold)], int)
 
     tr_right, te_right = right(tr_answers, tr_gold), right(te_answers, te_gold)
-    train_secs = member_seconds(cache, Path(args.train), members, [it.id for it in tr_items])
+    train_secs = prices(args.price, members) or member_seconds(cache, Path(args.train), members,
+                                                              [it.id for it in tr_items])
     router = fit_router(members, Embedder.embed([it.prompt for it in tr_items]), tr_right,
                         [train_secs[m] for m in members], data_hash=f"{data_hash(Path(args.train))}:router",
                         seed=args.seed)
@@ -172,8 +192,9 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
                      f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], p={d.p_mcnemar:.2f}",
                      f"{share:.0%}", f"{np.mean([secs[members[c]] for c in chosen]):.2f}"])
     cv = router.training["cv"]
-    head = (f"\n### Prompt-only router (k = {router.k} by cross-validation; costs: training seconds per item "
-            + ", ".join(f"{m} {train_secs[m]:.2f}" for m in members) + ")\n")
+    what = "prices given" if args.price else "training seconds per item"
+    head = (f"\n### Prompt-only router (k = {router.k} by cross-validation; costs ({what}): "
+            + ", ".join(f"{m} {train_secs[m]:.3g}" for m in members) + ")\n")
     lines = [head, markdown_table(["margin", "acc [95% CI]", "Δ vs best on train [95% CI], McNemar p",
                                    f"calls to {members[best]}", "s/item"], rows), "",
              f"- cross-validated on the training items at margin 0: {100 * cv['router_acc']:.1f} against the best "
@@ -197,6 +218,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-seed", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--price", action="append", default=[], help="router: MEMBER=COST per item (repeat; default: "
+                   "the members' measured seconds per item on the training split)")
     p.add_argument("--served-check", type=int, default=20, help="held-out items asked of the served ensemble")
 
 

@@ -29,7 +29,10 @@ def train_selector(args: argparse.Namespace) -> int:
         sel = fit_selector(args.member, answers, gold, [len(it.prompt) for it in items],
                            data_hash=f"{data_hash(data)}:{args.offset}:{args.limit}", folds=args.folds,
                            seed=args.seed)
-        secs = member_seconds(Path(args.cache), data, args.member, [it.id for it in items])
+        from chorus.bench.selector import prices
+
+        secs = prices(args.price, args.member) or member_seconds(Path(args.cache), data, args.member,
+                                                                 [it.id for it in items])
         right = np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(len(args.member))]
                           for a, g in zip(answers, gold)], int)
         router = fit_router(args.member, Embedder.embed([it.prompt for it in items]), right,
@@ -67,4 +70,6 @@ def train_selector_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--margin", type=float, default=0.0,
                    help="router: a cheaper member answers when its predicted accuracy is within this of the best")
+    p.add_argument("--price", action="append", default=[], help="router: MEMBER=COST per item (repeat; default: "
+                   "the members' measured seconds per item)")
     p.add_argument("--concurrency", type=int, default=1)

@@ -108,7 +108,7 @@ def gateway_with_selector(tmp_path_factory: pytest.TempPathFactory) -> Any:
         with serve_fakes(engines) as srv:
             args = argparse.Namespace(url=srv.url + "/v1", data=str(data), member=["m1", "m2"], out="letters",
                                       cache=str(home / "cache"), offset=0, limit=None, folds=3, seed=0,
-                                      concurrency=2, margin=0.0)
+                                      concurrency=2, margin=0.0, price=[])
             assert train_selector(args) == 0
             yield srv, home
     finally:
@@ -193,7 +193,8 @@ def test_the_evaluation_protocol_fits_on_one_half_and_reports_on_the_other(
     assert len(set(a) | set(b)) == 24 and not set(a) & set(b)
     args = argparse.Namespace(url=srv.url + "/v1", train=str(home / "train.jsonl"), test=str(home / "train.jsonl"),
                               member=["m1", "m2"], name="halves", cache=str(home / "cache"), train_limit=None,
-                              test_limit=None, split_seed=0, seed=0, concurrency=2, served_check=4)
+                              test_limit=None, split_seed=0, seed=0, concurrency=2, served_check=4,
+                              price=[])
     data2 = [*DATA, *({**r, "question": r["question"] + " (again)"} for r in DATA)]
     (home / "train2.jsonl").write_text("\n".join(json.dumps(r) for r in data2))
     args.train = args.test = str(home / "train2.jsonl")
