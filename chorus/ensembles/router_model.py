@@ -12,13 +12,13 @@ overall accuracy (one pseudo-item). Costs are the members' seconds per item on t
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from chorus.ensembles.selection import read_artifact, write_artifact
 from chorus.errors import ConfigError
 
 ARTIFACT = "router.json"
@@ -70,24 +70,11 @@ class LearnedRouter:
         return min(ok, key=lambda i: (self.costs[i], -pred[i]))
 
     def save(self, out: Path) -> Path:
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / ARTIFACT
-        body = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
-        return path
+        return write_artifact(out / ARTIFACT, {k: v for k, v in asdict(self).items() if not k.startswith("_")})
 
     @classmethod
     def load(cls, where: str | Path) -> LearnedRouter:
-        path = Path(where)
-        path = path / ARTIFACT if path.is_dir() else path
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the router artifact {path}: {exc}") from exc
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("kind") != "route":
-            raise ConfigError(f"{path} is not a chorus router artifact (format {FORMAT}, kind 'route')")
+        path, raw = read_artifact(where, ARTIFACT, "route", FORMAT)
         try:
             router = cls(**raw)
         except (TypeError, ValueError) as exc:

@@ -91,23 +91,11 @@ class Selector:
         return {nm: probs for nm in NORMS}
 
     def save(self, out: Path) -> Path:
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / ARTIFACT
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
-        return path
+        return write_artifact(out / ARTIFACT, asdict(self))
 
     @classmethod
     def load(cls, where: str | Path) -> Selector:
-        path = Path(where)
-        path = path / ARTIFACT if path.is_dir() else path
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the selector artifact {path}: {exc}") from exc
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("kind") != "select":
-            raise ConfigError(f"{path} is not a chorus selector artifact (format {FORMAT}, kind 'select')")
+        path, raw = read_artifact(where, ARTIFACT, "select", FORMAT)
         try:
             sel = cls(**raw)
         except TypeError as exc:
@@ -135,3 +123,25 @@ def artifact_path(name: str, param: str = "ensemble.artifact") -> Path:
     if not path.is_relative_to(root):
         raise InvalidRequest(f"'artifact' must name a selector inside {root} (got {name!r}).", param=param)
     return path
+
+
+def write_artifact(path: Path, body: dict[str, Any]) -> Path:
+    """A trained artifact as JSON, written atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body))
+    tmp.replace(path)
+    return path
+
+
+def read_artifact(where: str | Path, file: str, kind: str, fmt: int) -> tuple[Path, dict[str, Any]]:
+    """An artifact's JSON (``where``: its folder or the file), checked to be of this kind and format."""
+    path = Path(where)
+    path = path / file if path.is_dir() else path
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the artifact {path}: {exc}") from exc
+    if not isinstance(raw, dict) or raw.get("format") != fmt or raw.get("kind") != kind:
+        raise ConfigError(f"{path} is not a chorus {kind} artifact (format {fmt}, kind {kind!r})")
+    return path, raw

@@ -81,7 +81,7 @@ def test_the_artifact_round_trips_and_refuses_what_it_cannot_serve(tmp_path: Pat
     with pytest.raises(ConfigError, match="moon_phase"):
         Selector.load(bad)
     bad.write_text(json.dumps({**raw, "format": 99}))
-    with pytest.raises(ConfigError, match="not a chorus selector"):
+    with pytest.raises(ConfigError, match="not a chorus select artifact"):
         Selector.load(bad)
     with pytest.raises(ValueError, match="at least 10"):
         fit_selector(["a", "b"], items[:5], gold[:5], [1] * 5, data_hash="x")
