@@ -35,26 +35,39 @@ def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(order[: n // 2]), np.sort(order[n // 2 :])
 
 
+def correctness(answers: list[Any], gold: np.ndarray, norms: list[str]) -> np.ndarray:
+    """(items, members): member k right under its normalisation ``norms[k]``."""
+    return np.array([[int(np.argmax(a[k][nm])) == g for k, nm in enumerate(norms)] for a, g in zip(answers, gold)],
+                    int)
+
+
 def rows_of(sel: Any, members: list[str], answers: list[Any], gold: np.ndarray, prompts: list[int],
-            best_on_train: int, seed: int) -> list[tuple[str, np.ndarray, float]]:
-    """(system, per-item correctness, calls per item) on the held-out items."""
+            best_on_train: int, norms: list[str], seed: int) -> list[tuple[str, np.ndarray, float]]:
+    """(system, per-item correctness, calls per item) on the held-out items; every member under the
+    normalisation that was best for it on the training split (``norms``)."""
     m = len(members)
-    right = np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(m)] for a, g in zip(answers, gold)], int)
-    out = [(name, right[:, k], 1.0) for k, name in enumerate(members)]
-    out.append((f"best on train ({members[best_on_train]})", right[:, best_on_train], 1.0))
-    avg = [int(np.argmax(np.mean([a[k]["sum"] for k in range(m)], axis=0))) for a in answers]
+    right = correctness(answers, gold, norms)
+    out = [(f"{name} ({NORM_NAMES[norms[k]]})", right[:, k], 1.0) for k, name in enumerate(members)]
+    out.append((f"best on train ({members[best_on_train]}, {NORM_NAMES[norms[best_on_train]]})",
+                right[:, best_on_train], 1.0))
+    avg = [int(np.argmax(np.mean([a[k][norms[k]] for k in range(m)], axis=0))) for a in answers]
     out.append(("uniform average", (np.array(avg) == gold).astype(int), float(m)))
-    chosen = [int(np.argmax(sel.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
-    label = "select" + (f" (falls back to {sel.fallback})" if sel.fallback else "")
-    out.append((label, (np.array(chosen) == gold).astype(int), 1.0 if sel.fallback else float(m)))
-    if sel.fallback:  # what the learner would have given: shown, not served
-        learner = dataclasses.replace(sel, fallback=None)
+    if sel.fallback:
+        k = members.index(sel.fallback)
+        out.append((f"select (falls back to {sel.fallback})", right[:, k], 1.0))
+        learner = dataclasses.replace(sel, fallback=None)  # what the learner would have given: shown, not served
         chosen = [int(np.argmax(learner.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
         out.append(("select's learner (not served)", (np.array(chosen) == gold).astype(int), float(m)))
+    else:
+        chosen = [int(np.argmax(sel.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
+        out.append(("select", (np.array(chosen) == gold).astype(int), float(m)))
     pick = np.random.default_rng(seed).integers(m, size=len(gold))
     out.append(("random member", right[np.arange(len(gold)), pick], 1.0))
     out.append(("oracle (some member right)", right.max(axis=1), float(m)))
     return out
+
+
+NORM_NAMES = {"sum": "acc", "mean": "acc per token", "char": "acc_norm"}
 
 
 def table(systems: list[tuple[str, np.ndarray, float]], reference: np.ndarray, oracle: float,
@@ -99,20 +112,25 @@ def main(args: argparse.Namespace) -> int:
     sel = fit_selector(members, tr_answers, tr_gold, [len(it.prompt) for it in tr_items],
                        data_hash=f"{data_hash(Path(args.train))}:{args.train_limit}", seed=args.seed)
     sel.save(artifact_path(args.name))
-    train_acc = [np.mean([int(np.argmax(a[k]["sum"])) == g for a, g in zip(tr_answers, tr_gold)])
-                 for k in range(len(members))]
-    best = int(np.argmax(train_acc))
-    systems = rows_of(sel, members, te_answers, te_gold, [len(it.prompt) for it in te_items], best, args.seed)
+    from chorus.ensembles.selection import NORMS
+
+    # each member under the normalisation that was best for it on the training split, then the best member
+    by_norm = {nm: correctness(tr_answers, tr_gold, [nm] * len(members)).mean(axis=0) for nm in NORMS}
+    norms = [str(max(NORMS, key=lambda nm: float(by_norm[nm][k]))) for k in range(len(members))]
+    best = int(np.argmax([by_norm[norms[k]][k] for k in range(len(members))]))
+    systems = rows_of(sel, members, te_answers, te_gold, [len(it.prompt) for it in te_items], best, norms,
+                      args.seed)
     reference = systems[len(members)][1]
     oracle = float(systems[-1][1].mean())
     secs = member_seconds(cache, Path(args.test), members, [it.id for it in te_items])
     every = float(sum(secs.values()))
-    per_item = {**secs, systems[len(members)][0]: secs[members[best]], "uniform average": every,
+    per_item = {**{systems[k][0]: secs[m] for k, m in enumerate(members)},
+                systems[len(members)][0]: secs[members[best]], "uniform average": every,
                 systems[len(members) + 2][0]: secs[sel.fallback] if sel.fallback else every,
                 "select's learner (not served)": every,
                 "random member": float(np.mean(list(secs.values()))), "oracle (some member right)": every}
     router_text = routing(args, members, tr_items, tr_answers, tr_gold, te_items, te_answers, te_gold, secs,
-                          best, reference, cache)
+                          best, reference, cache, norms)
     cv = sel.training["cv"]
     print(f"## {len(te_items)} held-out items; {split}; {len(tr_items)} training items; members "
           f"{', '.join(members)}\n")
@@ -155,18 +173,14 @@ def prices(given: list[str], members: list[str]) -> dict[str, float]:
 
 def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], tr_answers: list[Any],
             tr_gold: np.ndarray, te_items: list[Any], te_answers: list[Any], te_gold: np.ndarray,
-            secs: dict[str, float], best: int, reference: np.ndarray, cache: Path) -> str:
+            secs: dict[str, float], best: int, reference: np.ndarray, cache: Path, norms: list[str]) -> str:
     """Fit the prompt-only router on the training items, save it beside the selector, and report it on the
     held-out items at several margins: accuracy against cost, and the share of calls sent to the best member."""
     from chorus.clients.eval_choices import member_seconds
     from chorus.ensembles.similarity import Embedder
     from chorus.training.selector import data_hash, fit_router
 
-    def right(answers: list[Any], gold: np.ndarray) -> np.ndarray:
-        return np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(len(members))]
-                         for a, g in zip(answers, gold)], int)
-
-    tr_right, te_right = right(tr_answers, tr_gold), right(te_answers, te_gold)
+    tr_right, te_right = correctness(tr_answers, tr_gold, norms), correctness(te_answers, te_gold, norms)
     train_secs = prices(args.price, members) or member_seconds(cache, Path(args.train), members,
                                                               [it.id for it in tr_items])
     router = fit_router(members, Embedder.embed([it.prompt for it in tr_items]), tr_right,

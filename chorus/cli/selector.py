@@ -33,8 +33,13 @@ def train_selector(args: argparse.Namespace) -> int:
 
         secs = prices(args.price, args.member) or member_seconds(Path(args.cache), data, args.member,
                                                                  [it.id for it in items])
-        right = np.array([[int(np.argmax(a[k]["sum"])) == g for k in range(len(args.member))]
-                          for a, g in zip(answers, gold)], int)
+        from chorus.bench.selector import correctness
+        from chorus.ensembles.selection import NORMS
+
+        # each member under its best normalisation on these items (what serving it alone would use)
+        by_norm = {nm: correctness(answers, gold, [nm] * len(args.member)).mean(axis=0) for nm in NORMS}
+        norms = [str(max(NORMS, key=lambda nm: float(by_norm[nm][k]))) for k in range(len(args.member))]
+        right = correctness(answers, gold, norms)
         router = fit_router(args.member, Embedder.embed([it.prompt for it in items]), right,
                             [secs[m] for m in args.member], margin=args.margin,
                             data_hash=f"{data_hash(data)}:{args.offset}:{args.limit}", folds=args.folds, seed=args.seed)

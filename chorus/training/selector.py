@@ -4,7 +4,8 @@ stacked (item, choice) rows (is this choice the gold one?); its regularisation i
 over items on the training data only.
 
 The cross-validated result decides what is served: the artifact keeps the learner only where its gain over the
-best single member (chosen inside each fold's training part) has a paired bootstrap 95% interval above zero;
+best single system (a member under one normalisation, chosen inside each fold's training part) has a paired
+bootstrap 95% interval above zero;
 otherwise it falls back to the best member of the training data, and says so (``fallback``).
 """
 
@@ -56,8 +57,9 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
         raise ValueError(f"need at least {2 * folds} labelled items to cross-validate, got {len(items)}")
     x, groups = _design(items, prompts)
     y = np.concatenate([(np.arange(len(a[0][NORMS[0]])) == g).astype(int) for a, g in zip(items, gold)])
-    member_right = np.array([[int(np.argmax(a[m]["sum"])) == g for m in range(len(members))]
-                             for a, g in zip(items, gold)], dtype=int)  # (items, members)
+    # every single system a user could serve instead: each member under each normalisation (items, members x 3)
+    member_right = np.array([[int(np.argmax(a[m][nm])) == g for m in range(len(members)) for nm in NORMS]
+                             for a, g in zip(items, gold)], dtype=int)
     kf = KFold(folds, shuffle=True, random_state=seed)
     per_c: dict[float, np.ndarray] = {}
     best_member_right = np.zeros(len(items), dtype=int)
@@ -74,7 +76,7 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
         per_c[c] = right
     c_best = max(C_GRID, key=lambda c: (per_c[c].mean(), -c))
     diff = eval_stats.paired_difference(per_c[c_best], best_member_right)
-    best_overall = int(member_right.mean(axis=0).argmax())
+    best_overall = int(member_right.mean(axis=0).argmax()) // len(NORMS)
     norm, model = _fit(x, y, c_best)
     fallback = None if diff.low > 0 else members[best_overall]
     oracle = float(member_right.max(axis=1).mean())
@@ -83,7 +85,8 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
         "cv": {"selector_acc": float(per_c[c_best].mean()), "best_member_acc": float(best_member_right.mean()),
                "gain": diff.delta, "gain_ci": [diff.low, diff.high], "mcnemar_p": diff.p_mcnemar,
                "oracle_acc": oracle, "acc_by_C": {str(c): float(r.mean()) for c, r in per_c.items()}},
-        "member_acc": {m: float(member_right[:, i].mean()) for i, m in enumerate(members)},
+        "member_acc": {f"{m}:{nm}": float(member_right[:, i * len(NORMS) + j].mean())
+                       for i, m in enumerate(members) for j, nm in enumerate(NORMS)},
         "fallback_reason": None if fallback is None else
         f"the cross-validated gain over the best member ({100 * diff.delta:+.1f} points, 95% CI "
         f"[{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]) does not exclude zero",
