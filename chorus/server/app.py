@@ -38,19 +38,19 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = dict(engines) if engines is not None else {}
-        if engines is None:
-            for spec in config.models:
-                if spec.optional and not is_ready(spec):
-                    log.info("optional model %s is not prepared, not served (chorus models prepare %s)",
-                             spec.name, spec.name)
-                    continue
+        served = config
+        if engines is None:  # what is prepared (chorus serve has already left the rest out and said so)
+            served, skipped = config.served(is_ready)
+            for line in skipped:
+                log.info(line)
+            for spec in served.models:
                 t0 = time.perf_counter()
                 loaded[spec.name] = build_engine(spec, {m.name: m for m in config.models})
                 log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
         for engine in loaded.values():
             await engine.start()
         app.state.engines = loaded
-        app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in config.ensembles}
+        app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in served.ensembles}
         for ensemble in app.state.ensembles.values():
             await ensemble.strategy.warm()
         app.state.sessions.start()

@@ -76,3 +76,15 @@ def test_served_config_keeps_everything_prepared() -> None:
     served, skipped = config.served(lambda spec: True)
     assert [m.name for m in served.models] == ["a", "b"] and [e.name for e in served.ensembles] == ["e"]
     assert skipped == []
+
+
+def test_the_app_itself_leaves_out_what_is_not_prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """create_app (a worker, an embedding program) serves the same set as `chorus serve`: one mechanism."""
+    import yaml
+
+    from tests.helpers import gateway
+
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path / "home"))
+    with gateway(ChorusConfig.model_validate(yaml.safe_load(CONFIG))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        assert sorted(m.id for m in client.models.list()) == ["always", "pair-ok"]
