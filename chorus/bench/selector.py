@@ -27,7 +27,10 @@ from typing import Any
 import numpy as np
 
 from chorus.clients import eval_stats as S
+from chorus.clients.eval_choices import member_answers, member_seconds
 from chorus.clients.local import markdown_table
+from chorus.ensembles.selection import artifact_path
+from chorus.training.selector import best_norms, correctness, data_hash, fit_router, fit_selector
 
 
 def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -35,64 +38,57 @@ def halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(order[: n // 2]), np.sort(order[n // 2 :])
 
 
-def correctness(answers: list[Any], gold: np.ndarray, norms: list[str]) -> np.ndarray:
-    """(items, members): member k right under its normalisation ``norms[k]``."""
-    return np.array([[int(np.argmax(a[k][nm])) == g for k, nm in enumerate(norms)] for a, g in zip(answers, gold)],
-                    int)
+Row = tuple[str, np.ndarray, float, float]  #: system, per-item correctness, calls and seconds per item
 
 
 def rows_of(sel: Any, members: list[str], answers: list[Any], gold: np.ndarray, prompts: list[int],
-            best_on_train: int, norms: list[str], seed: int) -> list[tuple[str, np.ndarray, float]]:
-    """(system, per-item correctness, calls per item) on the held-out items; every member under the
-    normalisation that was best for it on the training split (``norms``)."""
-    m = len(members)
+            best_on_train: int, norms: list[str], secs: list[float], seed: int) -> list[Row]:
+    """The table's rows on the held-out items; every member under the normalisation that was best for it on the
+    training split (``norms``); ``secs``: each member's seconds per item."""
+    m, every = len(members), float(sum(secs))
     right = correctness(answers, gold, norms)
-    out = [(f"{name} ({NORM_NAMES[norms[k]]})", right[:, k], 1.0) for k, name in enumerate(members)]
+    out: list[Row] = [(f"{name} ({NORM_NAMES[norms[k]]})", right[:, k], 1.0, secs[k]) for k, name in enumerate(members)]
     out.append((f"best on train ({members[best_on_train]}, {NORM_NAMES[norms[best_on_train]]})",
-                right[:, best_on_train], 1.0))
+                right[:, best_on_train], 1.0, secs[best_on_train]))
     avg = [int(np.argmax(np.mean([a[k][norms[k]] for k in range(m)], axis=0))) for a in answers]
-    out.append(("uniform average", (np.array(avg) == gold).astype(int), float(m)))
+    out.append(("uniform average", (np.array(avg) == gold).astype(int), float(m), every))
     if sel.fallback:
         k = members.index(sel.fallback)
-        out.append((f"select (falls back to {sel.fallback})", right[:, k], 1.0))
+        out.append((f"select (falls back to {sel.fallback})", right[:, k], 1.0, secs[k]))
         learner = dataclasses.replace(sel, fallback=None)  # what the learner would have given: shown, not served
         chosen = [int(np.argmax(learner.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
-        out.append(("select's learner (not served)", (np.array(chosen) == gold).astype(int), float(m)))
+        out.append(("select's learner (not served)", (np.array(chosen) == gold).astype(int), float(m), every))
     else:
         chosen = [int(np.argmax(sel.probabilities(a, n)["sum"])) for a, n in zip(answers, prompts)]
-        out.append(("select", (np.array(chosen) == gold).astype(int), float(m)))
+        out.append(("select", (np.array(chosen) == gold).astype(int), float(m), every))
     pick = np.random.default_rng(seed).integers(m, size=len(gold))
-    out.append(("random member", right[np.arange(len(gold)), pick], 1.0))
-    out.append(("oracle (some member right)", right.max(axis=1), float(m)))
+    out.append(("random member", right[np.arange(len(gold)), pick], 1.0, float(np.mean(secs))))
+    out.append(("oracle (some member right)", right.max(axis=1), float(m), every))
     return out
 
 
 NORM_NAMES = {"sum": "acc", "mean": "acc per token", "char": "acc_norm"}
 
 
-def table(systems: list[tuple[str, np.ndarray, float]], reference: np.ndarray, oracle: float,
-          per_call: dict[str, float]) -> str:
+def table(systems: list[Row], reference: np.ndarray, oracle: float) -> str:
     best = float(reference.mean())
     header = ["system", "n", "acc [95% CI]", "Δ vs best on train [95% CI], McNemar p", "gap closed",
               "calls/item", "s/item"]
     rows = []
-    for name, right, calls in systems:
+    for name, right, calls, seconds in systems:
         lo, hi = S.accuracy_interval(right)
         d = S.paired_difference(right, reference)
         delta = (f"{100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], p={d.p_mcnemar:.2f} "
                  f"(+{d.wins}/-{d.losses})")
         gap = f"{(right.mean() - best) / (oracle - best):+.0%}" if oracle > best else "-"
         rows.append([name, str(len(right)), f"{100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}]", delta, gap,
-                     f"{calls:.1f}", f"{per_call.get(name, 0.0):.2f}"])
+                     f"{calls:.1f}", f"{seconds:.2f}"])
     return markdown_table(header, rows)
 
 
 def main(args: argparse.Namespace) -> int:
     import httpx
 
-    from chorus.clients.eval_choices import member_answers, member_seconds
-    from chorus.ensembles.selection import artifact_path
-    from chorus.training.selector import data_hash, fit_selector
 
     members, cache = args.member, Path(args.cache)
     same = Path(args.train).resolve() == Path(args.test).resolve()
@@ -112,29 +108,18 @@ def main(args: argparse.Namespace) -> int:
     sel = fit_selector(members, tr_answers, tr_gold, [len(it.prompt) for it in tr_items],
                        data_hash=f"{data_hash(Path(args.train))}:{args.train_limit}", seed=args.seed)
     sel.save(artifact_path(args.name))
-    from chorus.ensembles.selection import NORMS
-
-    # each member under the normalisation that was best for it on the training split, then the best member
-    by_norm = {nm: correctness(tr_answers, tr_gold, [nm] * len(members)).mean(axis=0) for nm in NORMS}
-    norms = [str(max(NORMS, key=lambda nm: float(by_norm[nm][k]))) for k in range(len(members))]
-    best = int(np.argmax([by_norm[norms[k]][k] for k in range(len(members))]))
+    norms, best = best_norms(tr_answers, tr_gold, len(members))
+    secs = member_seconds(cache, Path(args.test), members, [it.id for it in te_items])
     systems = rows_of(sel, members, te_answers, te_gold, [len(it.prompt) for it in te_items], best, norms,
-                      args.seed)
+                      [secs[m] for m in members], args.seed)
     reference = systems[len(members)][1]
     oracle = float(systems[-1][1].mean())
-    secs = member_seconds(cache, Path(args.test), members, [it.id for it in te_items])
-    every = float(sum(secs.values()))
-    per_item = {**{systems[k][0]: secs[m] for k, m in enumerate(members)},
-                systems[len(members)][0]: secs[members[best]], "uniform average": every,
-                systems[len(members) + 2][0]: secs[sel.fallback] if sel.fallback else every,
-                "select's learner (not served)": every,
-                "random member": float(np.mean(list(secs.values()))), "oracle (some member right)": every}
     router_text = routing(args, members, tr_items, tr_answers, tr_gold, te_items, te_answers, te_gold, secs,
                           best, reference, cache, norms)
     cv = sel.training["cv"]
     print(f"## {len(te_items)} held-out items; {split}; {len(tr_items)} training items; members "
           f"{', '.join(members)}\n")
-    print(table(systems, reference, oracle, per_item))
+    print(table(systems, reference, oracle))
     print(f"\n- selector {args.name}: C = {sel.C} by {sel.training['folds']}-fold cross-validation on the training "
           f"items; cross-validated gain over the best member {100 * cv['gain']:+.1f} [{100 * cv['gain_ci'][0]:+.1f}, "
           f"{100 * cv['gain_ci'][1]:+.1f}]" + (f"; falls back to {sel.fallback}" if sel.fallback else "; served"))
@@ -176,9 +161,7 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
             secs: dict[str, float], best: int, reference: np.ndarray, cache: Path, norms: list[str]) -> str:
     """Fit the prompt-only router on the training items, save it beside the selector, and report it on the
     held-out items at several margins: accuracy against cost, and the share of calls sent to the best member."""
-    from chorus.clients.eval_choices import member_seconds
     from chorus.ensembles.similarity import Embedder
-    from chorus.training.selector import data_hash, fit_router
 
     tr_right, te_right = correctness(tr_answers, tr_gold, norms), correctness(te_answers, te_gold, norms)
     train_secs = prices(args.price, members) or member_seconds(cache, Path(args.train), members,
@@ -186,7 +169,6 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
     router = fit_router(members, Embedder.embed([it.prompt for it in tr_items]), tr_right,
                         [train_secs[m] for m in members], data_hash=f"{data_hash(Path(args.train))}:router",
                         seed=args.seed)
-    from chorus.ensembles.selection import artifact_path
 
     router.save(artifact_path(args.name))
     te_emb = Embedder.embed([it.prompt for it in te_items])

@@ -17,7 +17,7 @@ def train_selector(args: argparse.Namespace) -> int:
     from chorus.clients.eval_choices import member_answers, member_seconds
     from chorus.ensembles.selection import artifact_path
     from chorus.ensembles.similarity import Embedder
-    from chorus.training.selector import data_hash, fit_router, fit_selector
+    from chorus.training.selector import best_norms, correctness, data_hash, fit_router, fit_selector
 
     if len(args.member) < 2:
         sys.exit("chorus train selector: give at least two --member models")
@@ -33,12 +33,7 @@ def train_selector(args: argparse.Namespace) -> int:
 
         secs = prices(args.price, args.member) or member_seconds(Path(args.cache), data, args.member,
                                                                  [it.id for it in items])
-        from chorus.bench.selector import correctness
-        from chorus.ensembles.selection import NORMS
-
-        # each member under its best normalisation on these items (what serving it alone would use)
-        by_norm = {nm: correctness(answers, gold, [nm] * len(args.member)).mean(axis=0) for nm in NORMS}
-        norms = [str(max(NORMS, key=lambda nm: float(by_norm[nm][k]))) for k in range(len(args.member))]
+        norms, _ = best_norms(answers, gold, len(args.member))
         right = correctness(answers, gold, norms)
         router = fit_router(args.member, Embedder.embed([it.prompt for it in items]), right,
                             [secs[m] for m in args.member], margin=args.margin,

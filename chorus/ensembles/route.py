@@ -32,10 +32,10 @@ from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import ROUTE_DECISIONS
-from chorus.ensembles.router_model import LearnedRouter
-from chorus.ensembles.selection import artifact_path
+from chorus.ensembles.router_model import ARTIFACT, LearnedRouter
+from chorus.ensembles.selection import load_trained
 from chorus.ensembles.similarity import Embedder
-from chorus.errors import ConfigError, InvalidRequest
+from chorus.errors import InvalidRequest
 
 ROUTERS = ("random", "semantic", "cost", "learned")
 
@@ -87,17 +87,7 @@ def load_router(name: str | None, members: list[str]) -> LearnedRouter:
     if not name:
         raise InvalidRequest("router: learned needs 'artifact' (a router trained by `chorus bench selector`).",
                              param="ensemble.artifact")
-    path = artifact_path(name)
-    file = path / "router.json" if path.is_dir() else path
-    if not file.is_file():
-        raise InvalidRequest(f"No router artifact {name!r} at {file}.", param="ensemble.artifact")
-    try:
-        router = LearnedRouter.load(file)
-    except ConfigError as exc:
-        raise InvalidRequest(str(exc), param="ensemble.artifact") from None
-    if members != router.members:
-        raise InvalidRequest(f"The router {name!r} was trained on members {router.members}; this ensemble has "
-                             f"{members} (same models, same order).", param="ensemble.members")
+    router: LearnedRouter = load_trained(name, ARTIFACT, LearnedRouter.load, members, "router")
     return router
 
 

@@ -13,9 +13,7 @@ The strategy generates nothing: chat and completions with it are a 400.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncGenerator
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,8 +22,8 @@ from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import SELECTOR_CHOICES
-from chorus.ensembles.selection import NORMS, Selector, artifact_path, selectors_dir
-from chorus.errors import ConfigError, InvalidRequest
+from chorus.ensembles.selection import ARTIFACT, NORMS, Selector, load_trained
+from chorus.errors import InvalidRequest
 
 
 class SelectParams(BaseModel):
@@ -34,21 +32,9 @@ class SelectParams(BaseModel):
     artifact: str = Field(min_length=1, description="a trained selector's name (or path) in $CHORUS_HOME/selectors")
 
 
-@functools.lru_cache(maxsize=32)
-def _load(path: Path, mtime: float) -> Selector:
-    return Selector.load(path)
-
-
-def load_selector(name: str) -> Selector:
-    path = artifact_path(name)
-    file = path / "selector.json" if path.is_dir() else path
-    if not file.is_file():
-        raise InvalidRequest(f"No selector artifact {name!r} in {selectors_dir()} (train one with `chorus train "
-                             "selector`).", param="ensemble.artifact")
-    try:
-        return _load(file, file.stat().st_mtime)
-    except ConfigError as exc:
-        raise InvalidRequest(str(exc), param="ensemble.artifact") from None
+def load_selector(name: str, members: list[str]) -> Selector:
+    selector: Selector = load_trained(name, ARTIFACT, Selector.load, members, "selector")
+    return selector
 
 
 class Select(Strategy):
@@ -58,15 +44,10 @@ class Select(Strategy):
 
     @classmethod
     def check_config(cls, params: SelectParams, members: list[str]) -> None:
-        selector = load_selector(params.artifact)
-        if members != selector.members:
-            raise InvalidRequest(f"The selector {params.artifact!r} was trained on members {selector.members}; "
-                                 f"this ensemble has {members} (same models, same order).", param="ensemble.members")
+        load_selector(params.artifact, members)
 
     def check(self) -> None:
-        served = [m.spec.model for m in self.members]
-        self.check_config(self.params, served)
-        self.selector = load_selector(self.params.artifact)
+        self.selector = load_selector(self.params.artifact, [m.spec.model for m in self.members])
         own = with_own_sampling(self.members)
         if own:
             raise InvalidRequest("select samples nothing: per-member temperature / top_p / seed do not apply "

@@ -12,8 +12,10 @@ unpickled when a server loads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,3 +147,26 @@ def read_artifact(where: str | Path, file: str, kind: str, fmt: int) -> tuple[Pa
     if not isinstance(raw, dict) or raw.get("format") != fmt or raw.get("kind") != kind:
         raise ConfigError(f"{path} is not a chorus {kind} artifact (format {fmt}, kind {kind!r})")
     return path, raw
+
+
+@functools.lru_cache(maxsize=32)
+def _read(loader: Callable[[Path], Any], file: Path, mtime: float) -> Any:
+    return loader(file)
+
+
+def load_trained(name: str, file_name: str, loader: Callable[[Path], Any], members: list[str], what: str) -> Any:
+    """A trained artifact (``selector.json``, ``router.json``) for an ensemble with these ``members`` (model names,
+    in order): read once per file version, every problem a 400 naming the field."""
+    path = artifact_path(name)
+    file = path / file_name if path.is_dir() else path
+    if not file.is_file():
+        raise InvalidRequest(f"No {what} artifact {name!r} in {selectors_dir()} (train one with `chorus train "
+                             "selector`).", param="ensemble.artifact")
+    try:
+        trained = _read(loader, file, file.stat().st_mtime)
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc), param="ensemble.artifact") from None
+    if members != trained.members:
+        raise InvalidRequest(f"The {what} {name!r} was trained on members {trained.members}; this ensemble has "
+                             f"{members} (same models, same order).", param="ensemble.members")
+    return trained

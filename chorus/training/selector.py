@@ -24,6 +24,20 @@ from chorus.ensembles.selection import NORMS, Selector, choice_features, feature
 C_GRID = (0.01, 0.1, 1.0, 10.0)  #: the logistic regression's inverse regularisation, chosen by cross-validation
 
 
+def correctness(answers: list[Any], gold: np.ndarray, norms: list[str]) -> np.ndarray:
+    """(items, members): member k right under its normalisation ``norms[k]``."""
+    return np.array([[int(np.argmax(a[k][nm])) == g for k, nm in enumerate(norms)] for a, g in zip(answers, gold)],
+                    int)
+
+
+def best_norms(answers: list[Any], gold: np.ndarray, n_members: int) -> tuple[list[str], int]:
+    """Each member's best normalisation on these items (what serving that member alone would use), and the
+    index of the best member under it."""
+    by_norm = {nm: correctness(answers, gold, [nm] * n_members).mean(axis=0) for nm in NORMS}
+    norms = [str(max(NORMS, key=lambda nm: float(by_norm[nm][k]))) for k in range(n_members)]
+    return norms, int(np.argmax([by_norm[norms[k]][k] for k in range(n_members)]))
+
+
 def _design(items: list[list[dict[str, list[float]]]], prompts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Stacked (item, choice) rows and the item index of each row."""
     blocks = [choice_features(a, n) for a, n in zip(items, prompts)]
