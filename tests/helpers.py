@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +71,12 @@ def gateway(config: ChorusConfig | dict[str, Any], engines: dict[str, Engine] | 
         srv.stop()
 
 
-def fakes_config(engines: dict[str, Engine], ensembles: list[dict[str, Any]] | None = None,
-                 **sections: Any) -> ChorusConfig:
-    """A config whose models are these fake engines (each a model of the same name), with named ensembles."""
-    return ChorusConfig.model_validate({"models": [{"name": n, "engine": "fake"} for n in engines],
-                                        "ensembles": ensembles or [], **sections})
-
-
-def serve_fakes(engines: dict[str, Engine], ensembles: list[dict[str, Any]] | None = None,
-                **app_options: Any) -> Any:
-    """A live gateway over these fake engines and named ensembles (a context manager)."""
-    return gateway(fakes_config(engines, ensembles), engines, **app_options)
+def serve_fakes(engines: dict[str, Engine],
+                ensembles: list[dict[str, Any]] | None = None) -> AbstractContextManager[LiveServer]:
+    """A live gateway over these fake engines (each a config model of the same name) and named ensembles."""
+    config = ChorusConfig.model_validate({"models": [{"name": n, "engine": "fake"} for n in engines],
+                                         "ensembles": ensembles or []})
+    return gateway(config, engines)
 
 
 def fake_config(max_body_bytes: int = 64 * 1024) -> ChorusConfig:
