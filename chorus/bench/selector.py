@@ -12,6 +12,11 @@ p; the share of the best-to-oracle gap closed; cost per item (member calls, toke
 served ``select`` ensemble is asked on the first ``--served-check`` held-out items and must give the offline
 probabilities (the largest difference is printed).
 
+Generative items (``prompt`` or ``question``, and ``answer``; chorus/clients/eval_generative.py) get the
+router's protocol only: each member, the best on train, a random member, the oracle, the router at several
+margins and the share of calls it sends to the best member, and a check that the served ``route`` ensemble
+picks the offline router's member.
+
 A file given to both ``--train`` and ``--test`` (HellaSwag and PIQA have one labelled split here) is split into
 two disjoint halves by ``--split-seed``: the training half and the held-out half.
 """
@@ -114,8 +119,11 @@ def main(args: argparse.Namespace) -> int:
                       [secs[m] for m in members], args.seed)
     reference = systems[len(members)][1]
     oracle = float(systems[-1][1].mean())
-    router_text = routing(args, members, tr_items, tr_answers, tr_gold, te_items, te_answers, te_gold, secs,
-                          best, reference, cache, norms)
+    train_secs = prices(args.price, members) or member_seconds(cache, Path(args.train), members,
+                                                              [it.id for it in tr_items])
+    router_text, _ = routing(args, members, [it.prompt for it in tr_items], correctness(tr_answers, tr_gold, norms),
+                             [it.prompt for it in te_items], correctness(te_answers, te_gold, norms), train_secs,
+                             secs, best, reference)
     cv = sel.training["cv"]
     print(f"## {len(te_items)} held-out items; {split}; {len(tr_items)} training items; members "
           f"{', '.join(members)}\n")
@@ -156,30 +164,26 @@ def prices(given: list[str], members: list[str]) -> dict[str, float]:
     return out
 
 
-def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], tr_answers: list[Any],
-            tr_gold: np.ndarray, te_items: list[Any], te_answers: list[Any], te_gold: np.ndarray,
-            secs: dict[str, float], best: int, reference: np.ndarray, cache: Path, norms: list[str]) -> str:
-    """Fit the prompt-only router on the training items, save it beside the selector, and report it on the
-    held-out items at several margins: accuracy against cost, and the share of calls sent to the best member."""
+def routing(args: argparse.Namespace, members: list[str], tr_texts: list[str], tr_right: np.ndarray,
+            te_texts: list[str], te_right: np.ndarray, train_secs: dict[str, float], secs: dict[str, float],
+            best: int, reference: np.ndarray) -> tuple[str, np.ndarray]:
+    """Fit the prompt-only router on the training items (``tr_right``: (items, members) correctness), save it
+    beside the selector, and report it on the held-out items at several margins: accuracy against cost, and the
+    share of calls sent to the best member. Also returns the held-out choices at the fitted margin."""
     from chorus.ensembles.similarity import Embedder
 
-    tr_right, te_right = correctness(tr_answers, tr_gold, norms), correctness(te_answers, te_gold, norms)
-    train_secs = prices(args.price, members) or member_seconds(cache, Path(args.train), members,
-                                                              [it.id for it in tr_items])
-    router = fit_router(members, Embedder.embed([it.prompt for it in tr_items]), tr_right,
-                        [train_secs[m] for m in members], data_hash=f"{data_hash(Path(args.train))}:router",
-                        seed=args.seed)
-
+    router = fit_router(members, Embedder.embed(tr_texts), tr_right, [train_secs[m] for m in members],
+                        data_hash=f"{data_hash(Path(args.train))}:router", seed=args.seed)
     router.save(artifact_path(args.name))
-    te_emb = Embedder.embed([it.prompt for it in te_items])
-    preds = [router.predict(q)[0] for q in te_emb]
+    preds = [router.predict(q)[0] for q in Embedder.embed(te_texts)]
     learned = dataclasses.replace(router, fallback=None)  # the table shows the routing even where it falls back
     best_acc = float(reference.mean())
     best_lo, _ = S.accuracy_interval(reference)
     rows, reached, within = [], None, None
+    n = len(te_right)
     for margin in MARGINS:
         chosen = np.array([learned.choose(p, margin) for p in preds])
-        got = te_right[np.arange(len(te_gold)), chosen]
+        got = te_right[np.arange(n), chosen]
         lo, hi = S.accuracy_interval(got)
         d = S.paired_difference(got, reference)
         share = float((chosen == best).mean())
@@ -204,12 +208,66 @@ def routing(args: argparse.Namespace, members: list[str], tr_items: list[Any], t
              + (f"{reached[1]:.0%} (margin {reached[0]:g})" if reached else "not reached at any margin"),
              f"- ... that stays within its 95% interval (>= {100 * best_lo:.1f}): "
              + (f"{within[1]:.0%} (margin {within[0]:g})" if within else "not reached at any margin")]
-    return "\n".join(lines)
+    return "\n".join(lines), np.array([router.choose(p) for p in preds])
+
+
+def generative(args: argparse.Namespace) -> int:
+    """The protocol on labelled generative items (prompt / question and answer): only the router applies (the
+    ``select`` strategy reads per-choice scores). Rows: each member, the best on train, a random member, the
+    oracle; then the router at several margins."""
+    import httpx
+
+    from chorus.clients.eval_generative import member_outcomes
+
+    members, cache = args.member, Path(args.cache)
+    kw = {"concurrency": args.concurrency, "max_tokens": args.max_tokens}
+    tr_items, tr_right, tr_secs = member_outcomes(args.url, Path(args.train), members, cache,
+                                                  limit=args.train_limit, **kw)
+    if Path(args.train).resolve() == Path(args.test).resolve():
+        a, b = halves(len(tr_items), args.split_seed)
+        te_items, te_right, te_secs = [tr_items[i] for i in b], tr_right[b], tr_secs[b]
+        tr_items, tr_right, tr_secs = [tr_items[i] for i in a], tr_right[a], tr_secs[a]
+        split = f"two disjoint halves of {args.train} (seed {args.split_seed})"
+    else:
+        te_items, te_right, te_secs = member_outcomes(args.url, Path(args.test), members, cache,
+                                                      limit=args.test_limit, **kw)
+        split = f"train {args.train}, held out {args.test}"
+    best = int(tr_right.mean(axis=0).argmax())
+    secs = {m: float(te_secs[:, k].mean()) for k, m in enumerate(members)}
+    n, m = len(te_items), len(members)
+    systems: list[Row] = [(name, te_right[:, k], 1.0, secs[name]) for k, name in enumerate(members)]
+    systems.append((f"best on train ({members[best]})", te_right[:, best], 1.0, secs[members[best]]))
+    pick = np.random.default_rng(args.seed).integers(m, size=n)
+    systems.append(("random member", te_right[np.arange(n), pick], 1.0, float(np.mean(list(secs.values())))))
+    systems.append(("oracle (some member right)", te_right.max(axis=1), float(m), float(sum(secs.values()))))
+    reference = te_right[:, best]
+    train_secs = prices(args.price, members) or {mm: float(tr_secs[:, k].mean()) for k, mm in enumerate(members)}
+    router_text, chosen = routing(args, members, [it.text for it in tr_items], tr_right, [it.text for it in te_items],
+                                  te_right, train_secs, secs, best, reference)
+    print(f"## {n} held-out items; {split}; {len(tr_items)} training items; members {', '.join(members)}; "
+          f"greedy, up to {args.max_tokens} tokens\n")
+    print(table(systems, reference, float(systems[-1][1].mean())))
+    print(router_text)
+    if args.served_check:
+        ensemble = {"strategy": "route", "router": "learned", "artifact": args.name, "members": members,
+                    "trace": True}
+        agree = 0
+        with httpx.Client(base_url=args.url, timeout=600) as http:
+            for it, c in list(zip(te_items, chosen))[: args.served_check]:
+                body = {"model": members[0], "max_tokens": 1, "temperature": 0, "ensemble": ensemble}
+                r = (http.post("/chat/completions", json={**body, "messages": [{"role": "user", "content": it.text}]})
+                     if it.chat else http.post("/completions", json={**body, "prompt": it.text}))
+                r.raise_for_status()
+                agree += r.json()["ensemble"]["winner"]["member"] == members[c]
+        print(f"- the served route ensemble chose the offline router's member on {agree} of the first "
+              f"{min(args.served_check, n)} held-out items")
+    return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000/v1")
-    p.add_argument("--train", required=True, help="labelled multiple-choice JSONL to fit on")
+    p.add_argument("--train", required=True, help="labelled JSONL to fit on: multiple choice (choices, label) or "
+                   "generative (prompt or question, answer: the router only)")
     p.add_argument("--test", required=True, help="held-out JSONL (the same file: two halves by --split-seed)")
     p.add_argument("--member", action="append", default=[], help="a served model (repeat, in order)")
     p.add_argument("--name", default="bench-selector", help="the artifact's name in $CHORUS_HOME/selectors")
@@ -222,12 +280,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price", action="append", default=[], help="router: MEMBER=COST per item (repeat; default: "
                    "the members' measured seconds per item on the training split)")
     p.add_argument("--served-check", type=int, default=20, help="held-out items asked of the served ensemble")
+    p.add_argument("--max-tokens", type=int, default=16, help="generative items: tokens per answer")
 
 
 def run(args: argparse.Namespace) -> int:
     if len(args.member) < 2:
         sys.exit("chorus bench selector: give at least two --member models")
-    return main(args)
+    from chorus.clients.eval_generative import is_generative
+
+    return generative(args) if is_generative(Path(args.train)) else main(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

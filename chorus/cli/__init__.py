@@ -82,14 +82,15 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         config=False,
     ),
     ("train", "selector"): Command(
-        "fit a selector over multiple-choice members from labelled items scored through a running chorus "
-        "(served by the 'select' strategy)",
+        "fit a selector ('select') and a prompt-only router ('route', router: learned) from labelled items "
+        "answered through a running chorus (generative items: the router only)",
         "chorus.cli.selector:train_selector",
         "chorus.cli.selector:train_selector_arguments",
         config=False,
     ),
     ("bench", "selector"): Command(
-        "a selector fit on one split and reported on another: members, best on train, average, select, oracle",
+        "a selector and a router fit on one split and reported on another: members, best on train, average, "
+        "select, router at several margins, oracle",
         "chorus.bench.selector:run",
         "chorus.bench.selector:add_arguments",
         config=False,

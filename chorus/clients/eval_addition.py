@@ -134,9 +134,22 @@ async def evaluate(args: argparse.Namespace, url: str, headers: dict[str, str]) 
             + report(systems, probs, digits))
 
 
+def write_set(path: str, digits: list[int], n: int, seed: int) -> None:
+    """The same problems as labelled generative rows (``prompt`` / ``answer``, ``digits``), in the shape
+    ``chorus train selector`` and ``chorus bench selector`` read (chorus/clients/eval_generative.py)."""
+    with open(path, "w") as f:
+        for i, (d, a, b) in enumerate(problems(digits, n, seed)):
+            f.write(json.dumps({"id": f"add-{seed}-{i}", "prompt": f"{SHOTS}{a} + {b} =", "answer": str(a + b),
+                                "digits": d}) + "\n")
+    print(f"{n * len(digits)} problems ({n} per digit count {', '.join(map(str, digits))}, seed {seed}) -> {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     from chorus.clients.eval import serving
 
+    if args.write:
+        write_set(args.write, [int(d) for d in args.digits.split(",")], args.n, args.seed)
+        return 0
     with serving(args) as url:
         print(asyncio.run(evaluate(args, url, {"Authorization": f"Bearer {args.api_key}"})))
     return 0
@@ -152,3 +165,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running server's /v1 URL (default: start one for the run)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--write", metavar="FILE", help="write the problems as labelled JSONL (prompt, answer) for "
+                   "chorus train selector / bench selector, and call no model")

@@ -259,3 +259,80 @@ def test_the_learned_router_serves_one_member_over_choices(gateway_with_selector
     out = client.chat.completions.create(model="m1", messages=[{"role": "user", "content": prompts[1]}],
                                          max_tokens=3, extra_body={"ensemble": {**spec, "trace": True}})
     assert out.choices[0].message.content and out.model_extra["ensemble"]["router"] == "learned"
+
+
+CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Egypt": "Cairo", "Peru": "Lima",
+            "Kenya": "Nairobi", "Chile": "Santiago", "Spain": "Madrid", "Greece": "Athens", "Cuba": "Havana",
+            "Norway": "Oslo", "Poland": "Warsaw", "Austria": "Vienna", "Ireland": "Dublin", "Portugal": "Lisbon"}
+
+
+def generative_rows() -> list[dict[str, Any]]:
+    """Two clusters of completion prompts: capitals (both members right) and 3-digit sums (only `big` right)."""
+    rows: list[dict[str, Any]] = [{"prompt": f"The capital of {c} is", "answer": a} for c, a in CAPITALS.items()]
+    rng = np.random.default_rng(0)
+    for _ in range(15):
+        a, b = (int(x) for x in rng.integers(100, 1000, 2))
+        rows.append({"prompt": f"{a} + {b} =", "answer": str(a + b)})
+    order = rng.permutation(len(rows))
+    return [{**rows[i], "id": f"g{i}"} for i in order]
+
+
+def reply_for(big: bool) -> Any:
+    def reply(prompt: str) -> str:
+        if "+" in prompt:
+            a, b = (int(x) for x in prompt.rstrip("= ").split("+"))
+            return f" {a + b if big else a + b + 1}\n"
+        country = prompt.split("capital of ")[1].split(" is")[0]
+        return f" {CAPITALS[country]}\n"
+    return reply
+
+
+def test_generative_routing_learns_which_prompts_need_the_big_member(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Labelled generative rows (prompt / answer) -> `chorus train selector` fits only the router; the protocol
+    sends the capitals to the cheap member and the sums to the big one, keeping the big member's accuracy with
+    about half of its calls, and the served route ensemble (completions) picks what the offline router picks."""
+    from chorus.bench.selector import run
+    from chorus.cli.selector import train_selector
+    from chorus.ensembles.router_model import LearnedRouter
+
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
+    data = tmp_path / "gen.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in generative_rows()))
+    engines = {"small": FakeEngine("small", reply=reply_for(False)), "big": FakeEngine("big", reply=reply_for(True))}
+    with serve_fakes(engines) as srv:
+        args = argparse.Namespace(url=srv.url + "/v1", data=str(data), member=["small", "big"], out="gen",
+                                  cache=str(tmp_path / "cache"), offset=0, limit=None, folds=3, seed=0,
+                                  concurrency=2, margin=0.0, price=["small=1", "big=3"], max_tokens=12)
+        assert train_selector(args) == 0
+        out = capsys.readouterr().out
+        assert "no selector" in out and not (tmp_path / "selectors" / "gen" / "selector.json").exists()
+        router = LearnedRouter.load(tmp_path / "selectors" / "gen")
+        assert router.training["member_acc"] == {"small": 0.5, "big": 1.0}
+        assert router.fallback is None and router.training["cv"]["router_acc"] > 0.9
+        bench = argparse.Namespace(url=srv.url + "/v1", train=str(data), test=str(data), member=["small", "big"],
+                                   name="gen-bench", cache=str(tmp_path / "cache"), train_limit=None,
+                                   test_limit=None, split_seed=0, seed=0, concurrency=2, served_check=15,
+                                   price=["small=1", "big=3"], max_tokens=12)
+        assert run(bench) == 0
+    out = capsys.readouterr().out
+    assert "15 held-out items" in out and "best on train (big)" in out
+    assert "chose the offline router's member on 15 of the first 15" in out, out
+    # at margin 0 the predicted best (big) answers everything; a small margin lets small take the capitals
+    kept = out.split("keeps its held-out accuracy: ")[1].split("%")[0]
+    assert 20 <= int(kept) <= 80, out
+
+
+def test_malformed_generative_rows_name_the_file_and_line(tmp_path: Path) -> None:
+    from chorus.clients.eval_generative import is_right, load_gen_items
+
+    data = tmp_path / "gen.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n\n" + json.dumps({"answer": "3"}) + "\n")
+    with pytest.raises(SystemExit, match=rf"{data}:3: .*'prompt' or 'question'"):
+        load_gen_items(data)
+    items = load_gen_items(data, limit=1)
+    assert is_right(items[0], " 2\n") and not is_right(items[0], " 3") and not is_right(items[0], "")
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "Two apples and one more?", "answer": "One more.\n#### 3"}) + "\n")
+    item = load_gen_items(gsm)[0]
+    assert item.chat and item.answer == "3" and is_right(item, "So, the answer is 3.")
