@@ -35,6 +35,9 @@ class Limits(BaseModel):
     max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
     max_candidates: int = Field(default=64, ge=1, description="crowd_vote candidates (given or sampled)")
     max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503")
+    max_stored_responses: int = Field(default=1000, ge=0, description="/v1/responses kept in memory (oldest "
+                                      "dropped first) for GET and previous_response_id")
+    max_embedding_inputs: int = Field(default=256, ge=1, description="inputs per /v1/embeddings request")
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="deadline per request (X-Chorus-Timeout lowers it)"
     )

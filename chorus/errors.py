@@ -95,6 +95,12 @@ class SessionNotFound(GatewayError):
     code = "session_not_found"
 
 
+class ResponseNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
 class SessionBusy(GatewayError):
     status = 409
     type = "invalid_request_error"

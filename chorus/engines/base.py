@@ -30,6 +30,8 @@ STRUCTURED = "structured_outputs"
 TOOLS = "tools"
 #: a multiple-choice scorer (engines/scorer.py): one logit per option, no text, no tokens
 CHOICES = "choices"
+#: an embedding model (engines/embedding.py): vectors for /v1/embeddings, no text
+EMBEDDINGS = "embeddings"
 
 
 @dataclass(frozen=True)

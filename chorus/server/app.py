@@ -19,10 +19,13 @@ from chorus.ensembles.base import Ensemble
 from chorus.server import errors
 from chorus.server.auth import KeyStore
 from chorus.server.choices import router as choices_router
+from chorus.server.embeddings import router as embeddings_router
 from chorus.server.fastpath import FastPath
 from chorus.server.gateway import Admission, Gateway
 from chorus.server.limits import BodyLimit
 from chorus.server.metrics import watch_engines
+from chorus.server.responses import ResponseStore
+from chorus.server.responses import router as responses_router
 from chorus.server.routes import router
 from chorus.server.sessions import SessionStore
 from chorus.server.sessions import router as sessions_router
@@ -70,12 +73,15 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.state.started = int(time.time())
     app.state.engines = {}
     app.state.ensembles = {}
+    app.state.responses = ResponseStore(config.server.limits.max_stored_responses)
     app.state.sessions = SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open)
     errors.install(app)
     app.include_router(router)
     app.include_router(sessions_router)
     app.include_router(sessions_router_v2)
     app.include_router(choices_router)
+    app.include_router(responses_router)
+    app.include_router(embeddings_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)

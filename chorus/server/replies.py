@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from pydantic_core import to_json
@@ -59,18 +59,33 @@ async def open_streams(request: Request, work: ReplyPlan) -> list[AsyncGenerator
     return streams
 
 
+class ReplyShape(Protocol):
+    """Another API's shape for a chat reply (``request.state.reply_shape``: the Responses API,
+    server/responses.py): the finished chat body, or the chat chunks, become that API's."""
+
+    named_events: bool  #: SSE events named by their ``type`` (and no ``[DONE]``)
+
+    def body(self, chat: dict[str, Any]) -> dict[str, Any]: ...
+
+    def events(self, chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[dict[str, Any], None]: ...
+
+
 async def chat_reply(
     request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan
 ) -> Response:
     model = request.state.model
+    shape: ReplyShape | None = getattr(request.state, "reply_shape", None)
     if not req.stream:
         gen = await until_disconnect(request, work.generate[0]())
         body = {**protocol.chat_response(head, gen, req.tool_set), **work.trailer()}
         settle(request, model, body["usage"])
-        return json_response(body)
+        return json_response(shape.body(body) if shape else body)
     (deltas,) = await open_streams(request, work)
-    return sse_response(chat_events(head, deltas, req, work.usage, trailer=work.trailer,
-                                    settle=lambda u: settle(request, model, u)), request)
+    chunks = chat_events(head, deltas, req, work.usage, trailer=work.trailer,
+                         settle=lambda u: settle(request, model, u))
+    if shape is None:
+        return sse_response(chunks, request)
+    return sse_response(shape.events(chunks), request, named=shape.named_events)
 
 
 async def completion_reply(

