@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from chorus.engines.spec import ModelSpec
@@ -60,6 +61,37 @@ class SessionsSection(BaseModel):
     max_open: int = Field(default=256, ge=1, description="open sessions at most (429 beyond)")
 
 
+class StateSection(BaseModel):
+    """Where per-key windows, in-flight counts, budgets and spend live (server/key_state.py): ``memory`` (this
+    process; the embedded default) or a Redis URL shared by every replica (server/redis_state.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str = Field(default="memory", description='"memory" or "redis://HOST:PORT/DB" (rediss:// for TLS)')
+    #: when Redis cannot be reached: serve and count locally (``fail_open``), or refuse with 503 (``fail_closed``)
+    on_failure: Literal["fail_open", "fail_closed"] = "fail_open"
+    key_prefix: str = Field(default="chorus", pattern=r"^[A-Za-z0-9:_-]+$", description="prefix of every Redis key")
+    timeout_s: float = Field(default=0.5, gt=0, description="one Redis call; longer counts as an outage")
+    admin_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$",
+                                     description="the admin key's SHA-256: GET /admin/keys/{name} (off when unset)")
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://")):
+            raise ValueError('store must be "memory" or a redis:// URL')
+        return v
+
+
+class Price(BaseModel):
+    """A model's price per million tokens, in the currency a key's ``max_budget`` is given in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: float = Field(ge=0)
+    completion: float = Field(ge=0)
+
+
 class ServerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -69,6 +101,7 @@ class ServerSection(BaseModel):
     log: LogSection = Field(default_factory=LogSection)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     sessions: SessionsSection = Field(default_factory=SessionsSection)
+    state: StateSection = Field(default_factory=StateSection)
     #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
     #: default: chorus exports Prometheus metrics itself, and the per-request check costs ~2% of a request.
     opentelemetry: bool = False
@@ -85,6 +118,11 @@ class ApiKey(BaseModel):
     rpm: int | None = Field(default=None, ge=1, description="requests per minute")
     tpm: int | None = Field(default=None, ge=1, description="tokens (prompt + completion) per minute")
     max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight at once")
+    max_budget: float | None = Field(default=None, gt=0, description="spend allowed per budget period (429 above)")
+    budget_unit: Literal["tokens", "currency"] = Field(
+        default="tokens", description="tokens, or currency through the config's per-model prices")
+    budget_period_s: int | None = Field(default=None, ge=60, description="the budget resets this long after the "
+                                        "period's first charge (none: never)")
 
 
 class AuthSection(BaseModel):
@@ -103,6 +141,7 @@ class ChorusConfig(BaseModel):
         default_factory=dict, description='third-party strategies: name -> "module:Class"'
     )
     ensembles: list[NamedEnsemble] = Field(default_factory=list, description="named ensembles, served as models")
+    prices: dict[str, Price] = Field(default_factory=dict, description="model -> price per million tokens")
 
     @model_validator(mode="after")
     def _unique_names(self) -> ChorusConfig:
@@ -122,6 +161,15 @@ class ChorusConfig(BaseModel):
         names = [k.name for k in self.auth.keys]
         if len(set(names)) != len(names):
             raise ValueError("API key names must be unique")
+        unknown = sorted(set(self.prices) - {m.name for m in self.models})
+        if unknown:
+            raise ValueError(f"prices for unknown models: {', '.join(unknown)} (prices are per model; an ensemble "
+                             "costs what its member calls cost)")
+        if any(k.max_budget is not None and k.budget_unit == "currency" for k in self.auth.keys):
+            unpriced = sorted({m.name for m in self.models} - set(self.prices))
+            if unpriced:
+                raise ValueError(f"a budget in currency needs a price for every model; no price for: "
+                                 f"{', '.join(unpriced)}")
         return self
 
     @model_validator(mode="after")

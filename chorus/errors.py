@@ -14,14 +14,16 @@ cannot be prepared while serving becomes `EngineUnavailable`)::
      │    ├── PermissionDenied          403 permission_error        (the key may not use that model)
      │    ├── ModelNotFound             404 code=model_not_found
      │    ├── SessionNotFound           404 code=session_not_found  (session API: unknown or reaped id)
+     │    ├── ResponseNotFound          404 code=response_not_found (/v1/responses: not stored, or dropped)
      │    ├── SessionBusy               409 code=session_busy       (session API: a step is in flight)
      │    ├── RequestTooLarge           413 code=request_too_large
-     │    ├── RateLimited               429 rate_limit_exceeded     (retry_after: seconds)
+     │    ├── RateLimited               429 rate_limit_exceeded     (retry_after: seconds; code=budget_exceeded)
      │    ├── ClientClosedRequest       499 client_closed_request   (nobody reads it: the client left)
      │    ├── EngineFailed              500 server_error
      │    │    └── MemberFailed         502 code=member_failed      (an ensemble member failed)
      │    ├── EngineUnavailable         503 code=engine_unavailable
-     │    │    └── Overloaded           503 code=server_overloaded  (admission limit; retry_after)
+     │    │    ├── Overloaded           503 code=server_overloaded  (admission limit; retry_after)
+     │    │    └── StoreUnavailable     503 code=state_store_unavailable (Redis down, fail_closed; retry_after)
      │    └── DeadlineExceeded          504 code=deadline_exceeded
      ├── ConfigError                    the config file is invalid (start-up)
      └── BuildError                     a checkpoint cannot be built from this input
@@ -163,3 +165,9 @@ class Overloaded(EngineUnavailable):
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class StoreUnavailable(Overloaded):
+    """The shared state store (Redis) cannot be reached and the deployment fails closed."""
+
+    code = "state_store_unavailable"

@@ -17,11 +17,13 @@ from chorus.engines.prepare import is_ready
 from chorus.engines.registry import build_engine
 from chorus.ensembles.base import Ensemble
 from chorus.server import errors
+from chorus.server.admin import router as admin_router
 from chorus.server.auth import KeyStore
 from chorus.server.choices import router as choices_router
 from chorus.server.embeddings import router as embeddings_router
 from chorus.server.fastpath import FastPath
 from chorus.server.gateway import Admission, Gateway
+from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.limits import BodyLimit
 from chorus.server.metrics import watch_engines
 from chorus.server.responses import ResponseStore
@@ -33,6 +35,16 @@ from chorus.server.sessions import router_v2 as sessions_router_v2
 
 log = logging.getLogger("chorus.server")
 
+
+
+def key_state(config: ChorusConfig) -> KeyState:
+    """Where per-key windows, budgets and spend are counted (``server.state.store``)."""
+    keys = {k.name: k for k in config.auth.keys}
+    if config.server.state.store == "memory":
+        return MemoryState(keys)
+    from chorus.server.redis_state import RedisState
+
+    return RedisState(config.server.state, keys)
 
 
 def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, api_keys: str | None = None) -> FastAPI:
@@ -57,11 +69,13 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         for ensemble in app.state.ensembles.values():
             await ensemble.strategy.warm()
         app.state.sessions.start()
+        await app.state.key_state.start()
         unwatch = watch_engines(lambda: app.state.engines)
         try:
             yield
         finally:
             unwatch()
+            await app.state.key_state.aclose()  # buffered charges are written before exit
             await app.state.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
@@ -82,10 +96,13 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.include_router(choices_router)
     app.include_router(responses_router)
     app.include_router(embeddings_router)
+    app.include_router(admin_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
     app.state.keys = keys
     app.state.admission = Admission()
-    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission)  # outermost
+    app.state.key_state = key_state(config)
+    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission,
+                       state=app.state.key_state)  # outermost
     return app

@@ -75,6 +75,7 @@ async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
     if ensemble is not None:
         ensemble_calls.admit(request, req, ensemble)
         call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text))
+        ensemble_calls.charge_members(request, call)
         answer = await until_disconnect(request, ensemble.score_choices(call, question, req.combine))
         usage = protocol.usage(call.usage.prompt_tokens, 0)
     else:

@@ -61,6 +61,20 @@ def start_call(
     return ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
 
 
+def charge_members(request: Request, call: Call) -> None:
+    """The key is charged per member model (what each member call used), not for the ensemble's name."""
+    def used() -> dict[str, tuple[int, int]]:
+        by_label = {m.label: m.spec.model for m in call.members}
+        out: dict[str, tuple[int, int]] = {}
+        for label, u in call.by_member.items():
+            model = by_label.get(label, label)
+            p, c = out.get(model, (0, 0))
+            out[model] = (p + u.prompt_tokens, c + u.completion_tokens)
+        return out
+
+    request.state.member_usage = used
+
+
 def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:
     """The call as the response tail's work. ``usage`` sums every member call; token-level strategies
     produce their first token before the first byte is sent (so their errors are HTTP errors), text-level
@@ -99,6 +113,7 @@ def check_limits(limits: Limits, ensemble: Ensemble) -> None:
 async def chat(request: Request, req: protocol.ChatCompletionRequest, ensemble: Ensemble) -> Response:
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
+    charge_members(request, call)
     return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(ensemble)),
                             work_of(ensemble, call))
 
@@ -110,6 +125,7 @@ async def completion(request: Request, req: protocol.CompletionRequest, ensemble
                              param="prompt")
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(text=prompts[0]))
+    charge_members(request, call)
     work, scored = work_of(ensemble, call), None
     if req.echo and (req.logprobs is not None or req.max_tokens == 0):  # score the prompt under the ensemble
         tokens, lps = await until_disconnect(request, ensemble.strategy.prompt_logprobs(call, req.logprobs or 0))

@@ -2,7 +2,8 @@
 
 For every request: a request id (``X-Request-ID`` accepted if sane, else generated; echoed on the
 response), one structured access-log line, and the request metrics. For ``/v1/*`` requests, before any
-work: draining (503 during shutdown), the API key (401), the key's limits (429 with ``Retry-After``),
+work: draining (503 during shutdown), the API key (401), the key's limits and budget (429 with ``Retry-After``;
+counted in the ``server.state`` store: this process, or Redis shared by every replica),
 the server-wide admission limit (503 ``server_overloaded`` with ``Retry-After``; no unbounded queue),
 and the deadline (``request_timeout_s``, lowered per request by an ``X-Chorus-Timeout`` header).
 Admission is released when the response's last byte is sent (streams included).
@@ -23,6 +24,7 @@ from chorus.config import Limits
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
 from chorus.server.auth import KeyStore, Principal
 from chorus.server.errors import error_response
+from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 
 log = logging.getLogger("chorus.access")
@@ -38,9 +40,11 @@ class Admission:
 
 
 class Gateway:
-    def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, admission: Admission) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, admission: Admission,
+                 state: KeyState | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.state = state or MemoryState({})
         self.limits = limits
         self.admission = admission
 
@@ -69,7 +73,7 @@ class Gateway:
         try:
             if path.startswith(("/v1/", "/chorus/")):  # the OpenAI API and the session API
                 try:
-                    principal = self.admit(headers, state)
+                    principal = await self.admit(headers, state)
                     admitted = True
                 except GatewayError as exc:
                     REFUSED.labels(exc.code or exc.type).inc()
@@ -81,7 +85,7 @@ class Gateway:
                 self.admission.inflight -= 1
                 INFLIGHT.dec()
                 if principal is not None:
-                    principal.release()
+                    await self.state.release(principal, state["counted_in"])
             elapsed = time.perf_counter() - t0
             route = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
             LATENCY.labels(route).observe(elapsed)
@@ -92,7 +96,7 @@ class Gateway:
                                        "strategy": state.get("strategy"), "usage": state.get("usage"),
                                        **({"prompt": state["prompt"]} if "prompt" in state else {})})
 
-    def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
+    async def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
         if self.admission.draining:
             raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
         principal = self.keys.authenticate(headers.get("authorization")) if self.keys.enabled else None
@@ -100,7 +104,9 @@ class Gateway:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)
         if principal is not None:
-            principal.admit()
+            # the store's own id (never the client's X-Request-ID: a reused one must not merge two requests' counts)
+            state["admission_id"] = uuid.uuid4().hex
+            state["counted_in"] = await self.state.admit(principal, state["admission_id"])
         timeout = self.limits.request_timeout_s
         if "x-chorus-timeout" in headers:
             try:
@@ -109,7 +115,7 @@ class Gateway:
                 asked = -1.0
             if not asked > 0:
                 if principal is not None:
-                    principal.release()
+                    await self.state.release(principal, state["counted_in"])
                 raise InvalidRequest("X-Chorus-Timeout must be a positive number of seconds.", param="X-Chorus-Timeout")
             timeout = min(timeout, asked)
         state["principal"] = principal

@@ -1,0 +1,31 @@
+"""``GET /admin/keys/{name}``: a key's window, requests in flight, budget and spend, read from the
+``server.state`` store (so any replica answers for all of them). It needs the admin key
+(``Authorization: Bearer <admin key>``, whose SHA-256 is ``server.state.admin_sha256``); without one
+configured the route answers 404, as if absent."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from chorus.errors import AuthenticationFailed, ModelNotFound
+from chorus.server.auth import hash_key
+from chorus.server.replies import json_response
+
+router = APIRouter()
+
+
+@router.get("/admin/keys/{name}", response_model=None)
+async def key_report(name: str, request: Request) -> Response:
+    admin = request.app.state.config.server.state.admin_sha256
+    if admin is None:
+        raise ModelNotFound("There is no admin API on this server (set server.state.admin_sha256).", code="not_found")
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(hash_key(token.strip()), admin):
+        raise AuthenticationFailed("The admin API needs the admin key: 'Authorization: Bearer <admin key>'.")
+    principal = next((p for p in request.app.state.keys.principals if p.name == name), None)
+    if principal is None:
+        raise ModelNotFound(f"No API key named {name!r}.", param="name", code="key_not_found")
+    return json_response(await request.app.state.key_state.report(principal))

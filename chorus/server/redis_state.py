@@ -1,0 +1,313 @@
+"""Per-key state in Redis (``server.state.store: redis://...``), shared by every gateway replica.
+
+Keys, under ``server.state.key_prefix`` (default ``chorus``) and the key's name: ``req`` (a sorted set of the
+window's request ids, scored by time), ``tok`` (the window's charges as ``id:tokens``), ``inflight`` (a
+counter, expiring an hour after its last change so a replica that died cannot hold a slot for ever),
+``spend`` (this budget period: ``total`` and ``tokens:MODEL`` / ``cost:MODEL``; it expires when the period
+ends) and ``lifetime`` (the same, never reset); ``charge:ID`` marks a charge as counted (a day).
+
+Each admission is one Lua script (windows trimmed, every limit and the budget checked, the request counted),
+and so is each charge (counted once by its id): Redis runs a script alone, so two replicas cannot both admit
+the last request of a window. Time is Redis's own (``TIME``), so replicas need no shared clock.
+
+When Redis cannot be reached (``server.state.on_failure``): ``fail_open`` admits against this process's own
+counts (`MemoryState`) and logs and counts the outage (``chorus_state_store_errors_total``,
+``chorus_state_store_up``); ``fail_closed`` refuses with 503 and ``Retry-After``. Either way the charges of
+answered requests are kept in a buffer and written, with their ids, once Redis answers again (a background
+task reconnects with backoff), so no charge is lost and none is counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from chorus.config import ApiKey, StateSection
+from chorus.errors import RateLimited, StoreUnavailable
+from chorus.server.auth import WINDOW_S, Principal
+from chorus.server.key_state import Charge, MemoryState, budget_amount, build_report, over_budget
+
+log = logging.getLogger("chorus.state")
+STORE_UP = Gauge("chorus_state_store_up", "1 while the shared state store (Redis) answers")
+STORE_ERRORS = Counter("chorus_state_store_errors_total", "calls to the shared state store that failed", ["op"])
+LOCAL = Counter("chorus_state_local_admissions_total", "admissions counted locally while the store was down")
+
+ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local win = tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - win)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - win)
+local maxc = tonumber(ARGV[3])
+if maxc > 0 then
+  local n = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if n >= maxc then return {0, 'concurrent', 1000, n} end
+end
+local rpm = tonumber(ARGV[1])
+if rpm > 0 then
+  local n = redis.call('ZCARD', KEYS[1])
+  if n >= rpm then
+    local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    return {0, 'rpm', win - (now - tonumber(first[2])), n}
+  end
+end
+local tpm = tonumber(ARGV[2])
+if tpm > 0 then
+  local used = 0
+  local items = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+  for i = 1, #items, 2 do used = used + tonumber(string.match(items[i], ':(%d+)$')) end
+  if used >= tpm then return {0, 'tpm', win - (now - tonumber(items[2])), used} end
+end
+local budget = tonumber(ARGV[4])
+if budget > 0 then
+  local spent = tonumber(redis.call('HGET', KEYS[4], 'total') or '0')
+  if spent >= budget then return {0, 'budget', redis.call('PTTL', KEYS[4]), tostring(spent)} end
+end
+if rpm > 0 then
+  redis.call('ZADD', KEYS[1], now, ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], win)
+end
+redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], 3600)
+return {1}
+"""
+
+CHARGE = """
+if not redis.call('SET', KEYS[4], '1', 'NX', 'EX', 86400) then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tokens = tonumber(ARGV[2])
+if tokens > 0 and ARGV[8] == '1' then
+  redis.call('ZADD', KEYS[1], now, ARGV[1] .. ':' .. ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[6]))
+end
+for _, k in ipairs({KEYS[2], KEYS[3]}) do
+  redis.call('HINCRBY', k, 'tokens:' .. ARGV[4], tokens)
+  redis.call('HINCRBYFLOAT', k, 'cost:' .. ARGV[4], ARGV[3])
+end
+redis.call('HINCRBYFLOAT', KEYS[2], 'total', ARGV[7])
+local period = tonumber(ARGV[5])
+if period > 0 and redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], period) end
+return 1
+"""
+
+RELEASE = """
+local n = redis.call('DECR', KEYS[1])
+if n < 0 then redis.call('SET', KEYS[1], 0) end
+return n
+"""
+
+
+def by_model(raw: dict[str, str]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for field, value in raw.items():
+        kind, _, model = field.partition(":")
+        if kind in ("tokens", "cost") and model:
+            out.setdefault(model, {"tokens": 0, "cost": 0.0})[kind] = int(value) if kind == "tokens" else float(value)
+    return out
+
+
+class RedisState:
+    def __init__(self, section: StateSection, keys: dict[str, ApiKey]) -> None:
+        import redis.asyncio as aioredis
+
+        self.section, self.keys = section, keys
+        self.redis = aioredis.Redis.from_url(section.store, socket_timeout=section.timeout_s,
+                                             socket_connect_timeout=section.timeout_s, decode_responses=True)
+        self.local = MemoryState(keys)  #: while Redis is down (fail_open)
+        self.buffer: list[Charge] = []  #: charges not yet written (Redis down, or in flight)
+        self.releases: list[str] = []  #: keys whose Redis in-flight count is still to be decremented
+        self.up = True
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reconnect: asyncio.Task[None] | None = None
+        self._admit = self.redis.register_script(ADMIT)
+        self._charge = self.redis.register_script(CHARGE)
+        self._release = self.redis.register_script(RELEASE)
+        self.principals: dict[str, Principal] = {}
+        self._flushing = asyncio.Lock()
+
+    def k(self, name: str, what: str) -> str:
+        return f"{self.section.key_prefix}:{{{name}}}:{what}"
+
+    # -- outages ----------------------------------------------------------------------------------------------
+    def failed(self, op: str, exc: BaseException) -> None:
+        STORE_ERRORS.labels(op).inc()
+        if self.up:
+            log.error("state store %s unreachable (%s: %s); policy %s", self.section.store, type(exc).__name__, exc,
+                      self.section.on_failure)
+        self.up = False
+        STORE_UP.set(0)
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.get_running_loop().create_task(self._come_back())
+
+    async def _come_back(self) -> None:
+        delay = 0.1
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.redis.ping()
+                await self.flush()
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                STORE_ERRORS.labels("reconnect").inc()
+                log.debug("state store still down: %s", exc)
+                delay = min(delay * 2, 5.0)
+                continue
+            except Exception as exc:  # redis-py's own ConnectionError / TimeoutError
+                if not is_outage(exc):
+                    raise
+                delay = min(delay * 2, 5.0)
+                continue
+            self.up = True
+            STORE_UP.set(1)
+            log.info("state store %s is back; buffered charges written", self.section.store)
+            return
+
+    async def flush(self) -> None:
+        """Write the buffered charges and releases (each charge counted once, by its id), one flush at a time."""
+        async with self._flushing:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        while self.releases:
+            await self._release(keys=[self.k(self.releases[0], "inflight")])
+            self.releases.pop(0)
+        while self.buffer:
+            await self.write(self.buffer[0])
+            self.buffer.pop(0)
+
+    # -- the interface ---------------------------------------------------------------------------------------
+    async def admit(self, principal: Principal, request_id: str) -> str:
+        self.principals[principal.name] = self.local.principals[principal.name] = principal
+        key = self.keys.get(principal.name)
+        if self.up:
+            budget = key.max_budget if key is not None and key.max_budget is not None else 0
+            try:
+                out = await self._admit(
+                    keys=[self.k(principal.name, "req"), self.k(principal.name, "tok"),
+                          self.k(principal.name, "inflight"), self.k(principal.name, "spend")],
+                    args=[principal.rpm or 0, principal.tpm or 0, principal.max_concurrent or 0, budget, request_id,
+                          int(WINDOW_S * 1000)])
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self.failed("admit", exc)
+            else:
+                if int(out[0]) == 1:
+                    return "redis"
+                raise refusal(principal, key, out)
+        if self.section.on_failure == "fail_closed":
+            raise StoreUnavailable("The shared rate-limit store cannot be reached and this deployment fails closed; "
+                                   "retry shortly.", retry_after=1.0)
+        LOCAL.inc()
+        return await self.local.admit(principal, request_id)
+
+    async def release(self, principal: Principal, where: str) -> None:
+        if where != "redis":
+            await self.local.release(principal, where)
+            return
+        if self.up:
+            try:
+                await self._release(keys=[self.k(principal.name, "inflight")])
+                return
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self.failed("release", exc)
+        self.releases.append(principal.name)
+
+    async def write(self, c: Charge) -> None:
+        key, principal = self.keys.get(c.key), self.principals.get(c.key)
+        period = key.budget_period_s if key is not None and key.budget_period_s is not None else 0
+        windowed = "1" if principal is None or principal.tpm is not None else "0"  # a window only for a tpm limit
+        await self._charge(keys=[self.k(c.key, "tok"), self.k(c.key, "spend"), self.k(c.key, "lifetime"),
+                                 f"{self.section.key_prefix}:charge:{c.id}"],
+                           args=[c.id, c.tokens, repr(c.cost), c.model, period, int(WINDOW_S * 1000),
+                                 repr(budget_amount(key, c)), windowed])
+
+    def charge(self, charges: list[Charge]) -> None:
+        self.local.charge(charges)  # the local counts, used while Redis is down
+        self.buffer.extend(charges)
+        if self.up:
+            task = asyncio.get_running_loop().create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        try:
+            await self.flush()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.failed("charge", exc)
+
+    async def report(self, principal: Principal) -> dict[str, Any]:
+        name, key = principal.name, self.keys.get(principal.name)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                now_ms = time.time() * 1000
+                pipe.zcount(self.k(name, "req"), now_ms - WINDOW_S * 1000, "+inf")
+                pipe.zrange(self.k(name, "tok"), 0, -1)
+                pipe.get(self.k(name, "inflight"))
+                pipe.hgetall(self.k(name, "spend"))
+                pipe.ttl(self.k(name, "spend"))
+                pipe.hgetall(self.k(name, "lifetime"))
+                requests, toks, inflight, spend, ttl, lifetime = await pipe.execute()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.failed("report", exc)
+            raise StoreUnavailable("The shared state store cannot be reached; its counts cannot be read now.",
+                                   retry_after=1.0) from None
+        tokens = sum(int(m.rsplit(":", 1)[1]) for m in toks)
+        resets = float(ttl) if ttl is not None and ttl >= 0 else None
+        out = build_report(key, name, "redis", int(requests), tokens, int(inflight or 0),
+                           float(spend.get("total", 0)), resets, by_model(spend), by_model(lifetime))
+        out["store_up"] = self.up
+        out["buffered_charges"] = len(self.buffer)
+        return out
+
+    async def start(self) -> None:
+        STORE_UP.set(1)
+        try:
+            await self.redis.ping()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self.failed("start", exc)
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.up and self.buffer:
+            try:
+                await self.flush()
+            except Exception as exc:
+                log.error("state store: %d charges not written at shutdown: %s", len(self.buffer), exc)
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        await self.redis.aclose()
+
+
+def is_outage(exc: BaseException) -> bool:
+    import redis.exceptions as rx
+
+    return isinstance(exc, (rx.ConnectionError, rx.TimeoutError, OSError, ConnectionError, TimeoutError))
+
+
+def refusal(principal: Principal, key: ApiKey | None, out: list[Any]) -> RateLimited:
+    reason, retry = str(out[1]), max(float(out[2]), 0.0) / 1000
+    if reason == "concurrent":
+        return RateLimited(f"Key {principal.name!r} has {out[3]} requests in flight; its limit is "
+                           f"{principal.max_concurrent}.", retry_after=1.0)
+    if reason == "rpm":
+        return RateLimited(f"Key {principal.name!r} is limited to {principal.rpm} requests per minute.",
+                           retry_after=retry)
+    if reason == "tpm":
+        return RateLimited(f"Key {principal.name!r} is limited to {principal.tpm} tokens per minute ({out[3]} used).",
+                           retry_after=retry)
+    assert key is not None
+    return over_budget(key, float(out[3]), retry if float(out[2]) > 0 else None)

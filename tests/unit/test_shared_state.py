@@ -1,0 +1,228 @@
+"""Per-key limits, budgets and spend shared by gateway replicas through a real ``redis-server`` (Debian's
+package; CI installs it): two ``chorus serve`` processes over fake engines and one Redis. Exactly ``rpm`` requests
+are admitted across both; tokens and budgets likewise; the spend equals the usages the clients received;
+Redis killed under load behaves as each policy says (fail_open: every request served and the outage counted;
+fail_closed: 503 with Retry-After and no other 5xx), and once it is back no charge is lost or counted twice; a
+restarted gateway keeps the window."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.helpers import require, wait_until
+
+ADMIN = "sk-admin"
+INSTALL = "apt-get install redis-server"
+
+
+def sha(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    """A redis-server on a free port, persisting every write (appendfsync always) in its own directory, so a
+    kill and restart keeps what it had acknowledged, as a deployment's Redis with AOF does."""
+
+    def __init__(self, where: Path) -> None:
+        self.port, self.dir = free_port(), where
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                                      str(self.dir), "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_until(self.ping, timeout=10)
+
+    def ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis(port=self.port).flushall()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis]:
+    require(shutil.which("redis-server") is not None, f"needs redis-server ({INSTALL})")
+    r = Redis(tmp_path_factory.mktemp("redis"))
+    r.start()
+    yield r
+    r.kill()
+
+
+def config(redis_url: str, policy: str = "fail_open", **key: Any) -> dict[str, Any]:
+    return {"server": {"state": {"store": redis_url, "on_failure": policy, "admin_sha256": sha(ADMIN),
+                                 "timeout_s": 0.3}},
+            "models": [{"name": "fake", "engine": "fake", "fake": {"script": "Hello there."}},
+                       {"name": "other", "engine": "fake", "fake": {"script": "Hi."}}],
+            "ensembles": [{"name": "avg", "strategy": "logit_average", "members": ["fake", "other"]}],
+            "prices": {"fake": {"prompt": 1000.0, "completion": 2000.0}, "other": {"prompt": 500.0, "completion": 0.0}},
+            "auth": {"keys": [{"name": "k", "sha256": sha("sk-k"), **key}]}}
+
+
+@contextmanager
+def serve(cfg: dict[str, Any], tmp: Path, n: int = 2) -> Iterator[list[str]]:
+    """``n`` chorus serve processes with this config; yields their base URLs."""
+    path = tmp / f"config-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    procs, urls = [], []
+    for _ in range(n):
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(path), "--port",
+                                       str(port), "--log-level", "warning"], env={**os.environ},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for u, p in zip(urls, procs):
+            assert wait_until(lambda u=u, p=p: up(u) or p.poll() is not None, timeout=120) and p.poll() is None
+        yield urls
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def ask(url: str, model: str = "fake", max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-k"}, timeout=30,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+
+
+def report(url: str) -> dict[str, Any]:
+    r = httpx.get(url + "/admin/keys/k", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def tokens_spent(url: str) -> int:
+    return int(sum(m["tokens"] for m in report(url)["spend"]["lifetime"].values()))
+
+
+def test_two_replicas_admit_exactly_rpm_requests(redis_server: Redis, tmp_path: Path) -> None:
+    redis_server.flush()
+    with serve(config(redis_server.url, rpm=10), tmp_path) as (a, b), cf.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda i: ask(a if i % 2 else b), range(16)))
+        assert sorted(r.status_code for r in codes) == [200] * 10 + [429] * 6
+        refused = next(r for r in codes if r.status_code == 429)
+        assert 1 <= int(refused.headers["retry-after"]) <= 60 and "10 requests per minute" in refused.text
+        assert report(a)["window"]["requests"] == report(b)["window"]["requests"] == 10
+    # a restarted gateway keeps the window: the state is in Redis, not in the process
+    with serve(config(redis_server.url, rpm=10), tmp_path, n=1) as (c,):
+        assert ask(c).status_code == 429
+
+
+def test_tokens_and_budgets_are_shared_and_spend_is_what_clients_received(redis_server: Redis, tmp_path: Path) -> None:
+    redis_server.flush()
+    with serve(config(redis_server.url, max_budget=300, budget_unit="tokens", budget_period_s=3600), tmp_path) \
+            as (a, b):
+        received, refused = 0, None
+        for i in range(40):
+            r = ask(a if i % 2 else b, model="avg" if i % 3 == 0 else "fake")
+            if r.status_code == 429:
+                refused = r
+                break
+            assert r.status_code == 200, r.text
+            received += r.json()["usage"]["total_tokens"]
+        assert refused is not None and refused.json()["error"]["code"] == "budget_exceeded"
+        assert "max_budget 300" in refused.json()["error"]["message"] and "retry-after" in refused.headers
+        assert wait_until(lambda: tokens_spent(a) == received, timeout=10), (tokens_spent(a), received)
+        rep = report(b)
+        assert rep["budget"]["spent"] == received >= 300 and rep["budget"]["remaining"] == 0
+        assert set(rep["spend"]["lifetime"]) == {"fake", "other"}  # the ensemble charged each member's model
+        assert rep["spend"]["period"]["fake"]["cost"] > 0
+    redis_server.flush()
+    with serve(config(redis_server.url, tpm=60), tmp_path) as (a, b):
+        used = 0
+        while used < 60:
+            r = ask(a)
+            assert r.status_code == 200
+            used += r.json()["usage"]["total_tokens"]
+        assert wait_until(lambda: report(b)["window"]["tokens"] == used, timeout=10)
+        r = ask(b)
+        assert r.status_code == 429 and "60 tokens per minute" in r.text
+
+
+@pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
+def test_redis_killed_under_load(redis_server: Redis, tmp_path: Path, policy: str) -> None:
+    redis_server.flush()
+    with serve(config(redis_server.url, policy), tmp_path) as (a, b):
+        ok_tokens, codes = 0, []
+
+        def load(n: int) -> None:
+            nonlocal ok_tokens
+            with cf.ThreadPoolExecutor(4) as pool:
+                for r in pool.map(lambda i: ask(a if i % 2 else b), range(n)):
+                    codes.append((r.status_code, r.headers.get("retry-after")))
+                    if r.status_code == 200:
+                        ok_tokens += r.json()["usage"]["total_tokens"]
+
+        load(8)
+        redis_server.kill()
+        load(12)
+        redis_server.start()
+        assert wait_until(lambda: up(a) and "chorus_state_store_up 1.0" in httpx.get(a + "/metrics").text
+                          and "chorus_state_store_up 1.0" in httpx.get(b + "/metrics").text, timeout=30)
+        load(4)
+        statuses = {c for c, _ in codes}
+        if policy == "fail_open":
+            assert statuses == {200}
+            metrics = httpx.get(a + "/metrics").text + httpx.get(b + "/metrics").text
+            assert "chorus_state_local_admissions_total" in metrics and "chorus_state_store_errors_total{op=" in metrics
+        else:
+            assert statuses <= {200, 503} and 503 in statuses
+            assert all(after is not None for c, after in codes if c == 503)
+        # no charge lost (the outage's were buffered and written) and none counted twice (ids)
+        assert wait_until(lambda: tokens_spent(a) == ok_tokens, timeout=20), (tokens_spent(a), ok_tokens)
+
+
+def test_the_admin_endpoint_needs_the_admin_key(redis_server: Redis, tmp_path: Path) -> None:
+    with serve(config(redis_server.url), tmp_path, n=1) as (a,):
+        assert httpx.get(a + "/admin/keys/k").status_code == 401
+        assert httpx.get(a + "/admin/keys/k", headers={"Authorization": "Bearer sk-k"}).status_code == 401
+        r = httpx.get(a + "/admin/keys/nobody", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "name"
