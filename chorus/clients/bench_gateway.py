@@ -6,13 +6,17 @@ process (an ``engine: remote`` model pointing at the mock), and through the Lite
 ``litellm`` command is given (``--litellm``) or on PATH. LiteLLM is not a chorus dependency: its
 ``litellm[proxy]`` extra does not resolve here; ``pip install litellm`` plus the proxy's modules by hand
 (websockets, semver, expression, fastapi-sso, mcp, soundfile, orjson, backoff, apscheduler, ...) works.
-Requests/s and latency percentiles at concurrency 1 and 32, non-streaming and streaming; one table, one run.
+With ``--redis URL`` a second chorus process counts the same key's limits (rpm and tpm set, never reached) in
+Redis instead of in memory: the difference between the two chorus rows is the shared limiter's cost per request
+(one admission script, one release, one charge script). Requests/s and latency percentiles at concurrency 1 and
+32, non-streaming and streaming; one table, one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -110,20 +114,29 @@ def main(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
-        env = {**os.environ, "CHORUS_API_KEYS": "bench:bench"}
+        env = dict(os.environ)
         procs.append(subprocess.Popen([sys.executable, "-c", f"from chorus.clients.bench_gateway import mock_upstream; "
                                                              f"mock_upstream({up_port})"], env=env))
         upstream = f"http://127.0.0.1:{up_port}"
         wait_ready(upstream + "/v1/models", procs[-1])
-        cfg = tmp / "gw.yaml"
-        cfg.write_text(json.dumps({
-            "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level}},
-            "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
-                        "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
-                                       str(gw_port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        targets = {"direct to the mock upstream": upstream, "through chorus (1 process)": f"http://127.0.0.1:{gw_port}"}
-        wait_ready(targets["through chorus (1 process)"] + "/health", procs[-1])
+        targets = {"direct to the mock upstream": upstream}
+        stores = {"through chorus (1 process)": "memory"}
+        if args.redis:
+            stores["through chorus, limits in Redis"] = args.redis
+        for label, store in stores.items():  # the same key and limits; only where they are counted differs
+            port = gw_port if store == "memory" else free_port()
+            cfg = tmp / f"gw-{port}.yaml"
+            cfg.write_text(json.dumps({
+                "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level},
+                           "state": {"store": store, "key_prefix": f"bench{port}"}},
+                "auth": {"keys": [{"name": "bench", "sha256": hashlib.sha256(b"bench").hexdigest(),
+                                   "rpm": 10**9, "tpm": 10**12}]},
+                "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
+                            "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
+            procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
+                                           str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            targets[label] = f"http://127.0.0.1:{port}"
+            wait_ready(targets[label] + "/health", procs[-1])
         exe = args.litellm or shutil.which("litellm")
         if exe:
             lport = free_port()
@@ -184,3 +197,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="runs per cell, interleaved; the best is reported")
     p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")
     p.add_argument("--litellm", help="the LiteLLM proxy's `litellm` command (default: on PATH; not measured if absent)")
+    p.add_argument("--redis", help="a Redis URL: one more chorus process counting the same key's limits there "
+                   "(server.state.store), for the shared limiter's cost per request")

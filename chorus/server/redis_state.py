@@ -1,7 +1,8 @@
 """Per-key state in Redis (``server.state.store: redis://...``), shared by every gateway replica.
 
 Keys, under ``server.state.key_prefix`` (default ``chorus``) and the key's name: ``req`` (a sorted set of the
-window's request ids, scored by time), ``tok`` (the window's charges as ``id:tokens``), ``inflight`` (a
+window's request ids, scored by time), ``tok`` (the window's tokens in one-second buckets: a hash of at most
+61 fields, so a check costs the same at any request rate), ``inflight`` (a
 counter, expiring an hour after its last change so a replica that died cannot hold a slot for ever),
 ``spend`` (this budget period: ``total`` and ``tokens:MODEL`` / ``cost:MODEL``; it expires when the period
 ends) and ``lifetime`` (the same, never reset); ``charge:ID`` marks a charge as counted (a day).
@@ -41,7 +42,6 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local win = tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - win)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - win)
 local maxc = tonumber(ARGV[3])
 if maxc > 0 then
   local n = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -57,10 +57,17 @@ if rpm > 0 then
 end
 local tpm = tonumber(ARGV[2])
 if tpm > 0 then
-  local used = 0
-  local items = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-  for i = 1, #items, 2 do used = used + tonumber(string.match(items[i], ':(%d+)$')) end
-  if used >= tpm then return {0, 'tpm', win - (now - tonumber(items[2])), used} end
+  local used, oldest, sec = 0, nil, math.floor(now / 1000)
+  local buckets = redis.call('HGETALL', KEYS[2])
+  for i = 1, #buckets, 2 do
+    local s = tonumber(buckets[i])
+    if s <= sec - win / 1000 then redis.call('HDEL', KEYS[2], buckets[i])
+    else
+      used = used + tonumber(buckets[i + 1])
+      if oldest == nil or s < oldest then oldest = s end
+    end
+  end
+  if used >= tpm then return {0, 'tpm', (oldest + win / 1000) * 1000 - now, used} end
 end
 local budget = tonumber(ARGV[4])
 if budget > 0 then
@@ -82,8 +89,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local tokens = tonumber(ARGV[2])
 if tokens > 0 and ARGV[8] == '1' then
-  redis.call('ZADD', KEYS[1], now, ARGV[1] .. ':' .. ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[6]))
+  redis.call('HINCRBY', KEYS[1], tostring(math.floor(now / 1000)), tokens)
+  redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[6]))
 end
 for _, k in ipairs({KEYS[2], KEYS[3]}) do
   redis.call('HINCRBY', k, 'tokens:' .. ARGV[4], tokens)
@@ -250,7 +257,7 @@ class RedisState:
             async with self.redis.pipeline(transaction=True) as pipe:
                 now_ms = time.time() * 1000
                 pipe.zcount(self.k(name, "req"), now_ms - WINDOW_S * 1000, "+inf")
-                pipe.zrange(self.k(name, "tok"), 0, -1)
+                pipe.hgetall(self.k(name, "tok"))
                 pipe.get(self.k(name, "inflight"))
                 pipe.hgetall(self.k(name, "spend"))
                 pipe.ttl(self.k(name, "spend"))
@@ -262,7 +269,7 @@ class RedisState:
             self.failed("report", exc)
             raise StoreUnavailable("The shared state store cannot be reached; its counts cannot be read now.",
                                    retry_after=1.0) from None
-        tokens = sum(int(m.rsplit(":", 1)[1]) for m in toks)
+        tokens = sum(int(v) for sec, v in toks.items() if int(sec) > now_ms / 1000 - WINDOW_S)
         resets = float(ttl) if ttl is not None and ttl >= 0 else None
         out = build_report(key, name, "redis", int(requests), tokens, int(inflight or 0),
                            float(spend.get("total", 0)), resets, by_model(spend), by_model(lifetime))

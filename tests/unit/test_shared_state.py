@@ -226,3 +226,32 @@ def test_the_admin_endpoint_needs_the_admin_key(redis_server: Redis, tmp_path: P
         assert httpx.get(a + "/admin/keys/k", headers={"Authorization": "Bearer sk-k"}).status_code == 401
         r = httpx.get(a + "/admin/keys/nobody", headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "name"
+
+
+def test_a_budget_in_currency_with_the_memory_store(tmp_path: Path) -> None:
+    """The embedded default store: a currency budget from the price table, refused before any engine work, and
+    the admin report (one process's counts)."""
+    from chorus.engines.fake import FakeEngine
+    from tests.helpers import gateway
+
+    cfg = config("memory", max_budget=0.05, budget_unit="currency")
+    cfg["server"]["state"] = {"store": "memory", "admin_sha256": sha(ADMIN)}
+    engines = {"fake": FakeEngine("fake", script="Hello there."), "other": FakeEngine("other", script="Hi.")}
+    with gateway(cfg, engines) as srv:
+        spent = 0.0
+        while True:
+            r = ask(srv.url)
+            if r.status_code != 200:
+                break
+            u = r.json()["usage"]
+            spent += (u["prompt_tokens"] * 1000 + u["completion_tokens"] * 2000) / 1e6
+        assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded" and spent >= 0.05
+        rep = report(srv.url)
+        assert rep["store"] == "memory" and abs(rep["budget"]["spent"] - spent) < 1e-9
+        assert rep["budget"]["unit"] == "currency" and rep["budget"]["resets_in_s"] is None
+    with pytest.raises(ValueError, match="no price for: other"):
+        from chorus.config import ChorusConfig
+
+        bad = config("memory", max_budget=1.0, budget_unit="currency")
+        del bad["prices"]["other"]
+        ChorusConfig.model_validate(bad)
