@@ -134,7 +134,6 @@ class RedisState:
         self._admit = self.redis.register_script(ADMIT)
         self._charge = self.redis.register_script(CHARGE)
         self._release = self.redis.register_script(RELEASE)
-        self.principals: dict[str, Principal] = {}
         self._flushing = asyncio.Lock()
 
     def k(self, name: str, what: str) -> str:
@@ -158,14 +157,11 @@ class RedisState:
             try:
                 await self.redis.ping()
                 await self.flush()
-            except (OSError, ConnectionError, TimeoutError) as exc:
-                STORE_ERRORS.labels("reconnect").inc()
-                log.debug("state store still down: %s", exc)
-                delay = min(delay * 2, 5.0)
-                continue
-            except Exception as exc:  # redis-py's own ConnectionError / TimeoutError
+            except Exception as exc:
                 if not is_outage(exc):
                     raise
+                STORE_ERRORS.labels("reconnect").inc()
+                log.debug("state store still down: %s", exc)
                 delay = min(delay * 2, 5.0)
                 continue
             self.up = True
@@ -188,7 +184,7 @@ class RedisState:
 
     # -- the interface ---------------------------------------------------------------------------------------
     async def admit(self, principal: Principal, request_id: str) -> str:
-        self.principals[principal.name] = self.local.principals[principal.name] = principal
+        self.local.principals[principal.name] = principal
         key = self.keys.get(principal.name)
         if self.up:
             budget = key.max_budget if key is not None and key.max_budget is not None else 0
@@ -227,7 +223,7 @@ class RedisState:
         self.releases.append(principal.name)
 
     async def write(self, c: Charge) -> None:
-        key, principal = self.keys.get(c.key), self.principals.get(c.key)
+        key, principal = self.keys.get(c.key), self.local.principals.get(c.key)
         period = key.budget_period_s if key is not None and key.budget_period_s is not None else 0
         windowed = "1" if principal is None or principal.tpm is not None else "0"  # a window only for a tpm limit
         await self._charge(keys=[self.k(c.key, "tok"), self.k(c.key, "spend"), self.k(c.key, "lifetime"),
