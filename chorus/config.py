@@ -231,6 +231,9 @@ class Settings(BaseSettings):
     port: int | None = None
     #: extra API keys, comma separated, each ``name:key`` or ``key``; hashed at start-up, no per-key limits
     api_keys: str | None = None
+    #: the admin key itself (``GET /admin/keys/{name}``), hashed at start-up; for a Secret in the environment
+    #: instead of ``server.state.admin_sha256`` in the config (either one turns the admin API on)
+    admin_key: str | None = None
 
 
 def load_config(path: str | Path | None = None) -> ChorusConfig:

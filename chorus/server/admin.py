@@ -1,7 +1,7 @@
 """``GET /admin/keys/{name}``: a key's window, requests in flight, budget and spend, read from the
 ``server.state`` store (so any replica answers for all of them). It needs the admin key
-(``Authorization: Bearer <admin key>``, whose SHA-256 is ``server.state.admin_sha256``); without one
-configured the route answers 404, as if absent."""
+(``Authorization: Bearer <admin key>``, whose SHA-256 is ``server.state.admin_sha256``, or the key itself in
+``CHORUS_ADMIN_KEY``, which wins); without one configured the route answers 404, as if absent."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ router = APIRouter()
 
 @router.get("/admin/keys/{name}", response_model=None)
 async def key_report(name: str, request: Request) -> Response:
-    admin = request.app.state.config.server.state.admin_sha256
+    admin = request.app.state.admin_sha256
     if admin is None:
-        raise ModelNotFound("There is no admin API on this server (set server.state.admin_sha256).", code="not_found")
+        raise ModelNotFound("There is no admin API on this server (set server.state.admin_sha256 or CHORUS_ADMIN_KEY).", code="not_found")
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(hash_key(token.strip()), admin):
         raise AuthenticationFailed("The admin API needs the admin key: 'Authorization: Bearer <admin key>'.")

@@ -18,7 +18,7 @@ from chorus.engines.registry import build_engine
 from chorus.ensembles.base import Ensemble
 from chorus.server import errors
 from chorus.server.admin import router as admin_router
-from chorus.server.auth import KeyStore
+from chorus.server.auth import KeyStore, hash_key
 from chorus.server.choices import router as choices_router
 from chorus.server.embeddings import router as embeddings_router
 from chorus.server.fastpath import FastPath
@@ -101,6 +101,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
     app.state.keys = keys
+    admin_key = Settings().admin_key
+    app.state.admin_sha256 = hash_key(admin_key) if admin_key else config.server.state.admin_sha256
     app.state.admission = Admission()
     app.state.key_state = key_state(config)
     app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission,

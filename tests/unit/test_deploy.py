@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -42,17 +43,24 @@ def test_compose_wiring() -> None:
     for name in ("vllm-1", "vllm-2", "chorus-worker"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
-    assert set(services["gateway"]["depends_on"]) == {"vllm-1", "vllm-2", "chorus-worker"}
+    assert set(services["gateway"]["depends_on"]) == {"redis", "vllm-1", "vllm-2", "chorus-worker"}
+    # the shared per-key state: the gateway's store is the compose file's Redis, persisted with AOF
+    assert urlsplit(gateway.server.state.store).hostname == "redis"
+    assert "--appendonly" in services["redis"]["command"] and services["redis"]["volumes"]
 
 
 def test_k8s_wiring() -> None:
     objs = k8s()
     workloads = [d for d in objs if d["kind"] in ("Deployment", "StatefulSet")]
-    assert {w["metadata"]["name"] for w in workloads} == {"chorus-gateway", "vllm", "chorus-worker"}
+    assert {w["metadata"]["name"] for w in workloads} == {"chorus-gateway", "vllm", "chorus-worker", "redis"}
     for w in workloads:
         pod = w["spec"]["template"]
         assert w["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         container = pod["spec"]["containers"][0]
+        if w["metadata"]["name"] == "redis":
+            assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+            assert "--appendonly" in container["args"] and w["spec"]["volumeClaimTemplates"]
+            continue
         assert container["readinessProbe"]["httpGet"]["path"] == "/health"
         if w["metadata"]["name"] != "chorus-gateway":
             assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -73,6 +81,12 @@ def test_k8s_wiring() -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == "chorus-gateway"
     gateway = find("Deployment", "chorus-gateway")
     grace = ChorusConfig.model_validate(yaml.safe_load(find("ConfigMap", "chorus-config")["data"]["gateway.yaml"]))
+    # scaling out is correct only because every replica shares the per-key state: the store is the Redis Service
+    assert urlsplit(grace.server.state.store).hostname in {s["metadata"]["name"] for s in services}
+    # the HPA's CPU utilisation is measured against a request the gateway container sets
+    assert gateway["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"]
+    env = {e["name"] for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"CHORUS_API_KEYS", "WORKER_API_KEY", "CHORUS_ADMIN_KEY"} <= env
     assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace.server.shutdown_grace_s
     # the gateway's replica URLs resolve to in-cluster names: <pod>.<headless service> or <service>
     names = {s["metadata"]["name"] for s in services}
@@ -80,3 +94,13 @@ def test_k8s_wiring() -> None:
         for url in m.remote.replicas if m.remote else []:
             host = url.split("//")[1].split(":")[0]
             assert host.split(".")[-1] in names, url
+
+
+def test_every_k8s_resource_validates_against_the_kubernetes_schema() -> None:
+    """kubernetes-validate (the cluster's OpenAPI schemas, strict: no unknown field) over every resource."""
+    import kubernetes_validate
+
+    objs = k8s()
+    assert len(objs) >= 10
+    for obj in objs:
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)

@@ -255,3 +255,19 @@ def test_a_budget_in_currency_with_the_memory_store(tmp_path: Path) -> None:
         bad = config("memory", max_budget=1.0, budget_unit="currency")
         del bad["prices"]["other"]
         ChorusConfig.model_validate(bad)
+
+
+def test_the_admin_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CHORUS_ADMIN_KEY (a Kubernetes Secret) turns the admin API on without a hash in the config, and wins."""
+    from chorus.engines.fake import FakeEngine
+    from tests.helpers import gateway
+
+    monkeypatch.setenv("CHORUS_ADMIN_KEY", "sk-from-env")
+    cfg = config("memory")
+    cfg["server"]["state"] = {"store": "memory", "admin_sha256": sha(ADMIN)}
+    engines = {"fake": FakeEngine("fake", script="Hello there."), "other": FakeEngine("other", script="Hi.")}
+    with gateway(cfg, engines) as srv:
+        assert ask(srv.url).status_code == 200
+        assert httpx.get(srv.url + "/admin/keys/k", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 401
+        r = httpx.get(srv.url + "/admin/keys/k", headers={"Authorization": "Bearer sk-from-env"}, timeout=10)
+        assert r.status_code == 200 and r.json()["spend"]["lifetime"]["fake"]["tokens"] > 0
