@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen serve test unit check wheel-smoke docs figures bench bench-gpu gpu-wheels clean
+.PHONY: install models models-qwen serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ docs: $(DOCS_STAMP)
 # the figures of the Benchmarks and Evidence pages, from the saved results in docs/data/
 figures: $(DOCS_STAMP)
 	$(BIN)/python scripts/figures
+
+# the playground's screenshots in docs/img, taken by its browser tests (Debian's chromium)
+screenshots: install
+	CHORUS_SCREENSHOTS=docs/img $(BIN)/python -m pytest -q tests/unit/test_playground.py
 
 # the built wheel in a fresh venv: imports and serves (scripts/wheel-smoke); CI runs it too
 wheel-smoke:

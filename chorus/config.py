@@ -102,6 +102,8 @@ class ServerSection(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     sessions: SessionsSection = Field(default_factory=SessionsSection)
     state: StateSection = Field(default_factory=StateSection)
+    #: the playground page at /playground (static files calling this server's API from the browser)
+    playground: bool = True
     #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
     #: default: chorus exports Prometheus metrics itself, and the per-request check costs ~2% of a request.
     opentelemetry: bool = False

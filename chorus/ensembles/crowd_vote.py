@@ -58,11 +58,14 @@ class CrowdVoteParams(BaseModel):
         return {m: x / total for m, x in w.items() if x > 0}
 
 
-def vote(texts: list[str], mix: dict[str, float]) -> tuple[int, np.ndarray, dict[str, list[float]]]:
-    """(winner, combined scores, per-metric scores). Blocking (embeddings): run it in a thread."""
-    per_metric = {m: crowd_scores(similarity(m, texts)) for m in mix}
+def vote(texts: list[str], mix: dict[str, float]) -> tuple[int, np.ndarray, dict[str, list[float]], np.ndarray]:
+    """(winner, combined scores, per-metric scores, the weighted similarity matrix whose off-diagonal row sums
+    are the combined scores). Blocking (embeddings): run it in a thread."""
+    sims = {m: similarity(m, texts) for m in mix}
+    per_metric = {m: crowd_scores(s) for m, s in sims.items()}
     q: np.ndarray = np.sum([w * per_metric[m] for m, w in mix.items()], axis=0)
-    return int(np.argmax(q)), q, {m: s.tolist() for m, s in per_metric.items()}  # argmax: first of ties
+    matrix: np.ndarray = np.sum([w * sims[m] for m, w in mix.items()], axis=0)
+    return int(np.argmax(q)), q, {m: s.tolist() for m, s in per_metric.items()}, matrix  # argmax: first of ties
 
 
 class CrowdVote(Strategy):
@@ -104,9 +107,10 @@ class CrowdVote(Strategy):
                 s["text"] = tool_calls.canonical(s["text"], offered)
         texts = [s["text"] for s in sources]
         mix = p.mix()
-        winner, q, per_metric = await asyncio.to_thread(vote, texts, mix)
+        winner, q, per_metric, matrix = await asyncio.to_thread(vote, texts, mix)
         call.trace.update({
             "candidates": sources, "metric": mix, "scores": q.tolist(), "scores_by_metric": per_metric,
+            "similarity": np.round(matrix, 6).tolist(),
             "winner": {"index": winner, "member": sources[winner]["member"]},
             "reason": f"candidate {winner} has the highest summed similarity to the other {len(texts) - 1} "
                       f"candidates ({' + '.join(f'{w:g} x {m}' for m, w in mix.items())}: {q[winner]:.4f})",

@@ -36,7 +36,7 @@ from chorus.ensembles.metrics import (
 )
 from chorus.ensembles.selective import SelectiveSession
 from chorus.ensembles.speculative import SpeculativeSession
-from chorus.ensembles.stepping import EnsembleStats, MemberSessions, normalised_weights
+from chorus.ensembles.stepping import EnsembleStats, MemberSessions, TokenAgreement, normalised_weights
 from chorus.ensembles.topk_union import TopkUnion
 from chorus.errors import CapabilityMismatch, InvalidRequest
 
@@ -51,6 +51,8 @@ class AveragedSession(MemberSessions):
     (a prompt ensemble: members with their own system messages); otherwise all read the same ids.
     """
 
+    record: TokenAgreement | None = None  # set on the request's first generating session (the trace's tokens)
+
     @property
     def length(self) -> int:
         return self.members[self.alive[0]].length
@@ -64,6 +66,8 @@ class AveragedSession(MemberSessions):
         kept, results = await self._run([self.members[i].prefill(self._prompt_of(i, ids)) for i in which], which)
         self.stats.positions += 1
         self.stats.consulted += 1
+        if self.record is not None:
+            self.record.observe(kept, results)
         return self._mix(results, kept)
 
     async def step(self, token: int) -> torch.Tensor:
@@ -76,11 +80,15 @@ class AveragedSession(MemberSessions):
             self.stats.fed[i] += len(ids)
         self.stats.positions += len(ids)
         self.stats.consulted += len(ids)
+        if self.record is not None:
+            self.record.fed(ids, [[r[j] for r in rows] for j in range(len(ids))])
         return torch.stack([self._mix([r[j] for r in rows], kept) for j in range(len(ids))])
 
     def rollback(self, n: int) -> None:
         for i in self.alive:
             self.members[i].rollback(n)
+        if self.record is not None:
+            self.record.rollback(n)
 
 
 MODES = ("full", "selective", "speculative")
@@ -151,7 +159,10 @@ class LogitAverage(SessionEngine):
         return sessions
 
     def open_session(self) -> Session:
-        return self._open_session(self.mode)
+        session = self._open_session(self.mode)
+        if isinstance(session, AveragedSession):
+            session.record = self.tally.claim()
+        return session
 
     def _open_session(self, mode: str) -> Session:
         sessions = self._member_sessions()
@@ -362,11 +373,16 @@ class LogitAverageStrategy(Strategy):
                 params = replace(params, max_tokens=min(engine.max_model_len - len(r.prompt_ids) for r in reqs))
             deltas = engine.stream(GenerationRequest(lead.prompt_ids, params, extra_stop=tuple(
                 dict.fromkeys(s for r in reqs for s in r.extra_stop))))
+        emitted: list[int] = []
         try:
             async for d in deltas:
+                if d.index == 0:
+                    emitted.extend(d.token_ids)
                 yield d
         finally:
             await deltas.aclose()
+            if not isinstance(engine, TopkUnion) and engine.tally.agreement is not None:
+                engine.tally.agreement.finish(emitted)
             if isinstance(engine, TopkUnion):
                 for i, m in enumerate(self.members):
                     if m.label not in dropped:
@@ -383,6 +399,8 @@ class LogitAverageStrategy(Strategy):
             if m.label not in dropped:
                 call.record(m, len(reqs[i].prompt_ids) if stats.prompted[i] else 0, stats.fed[i] + stats.prompted[i])
         call.trace["token_ensemble"] = stats.as_trace()
+        if stats.agreement is not None and stats.agreement.rows:  # mode full: how the members agreed per token
+            call.trace["token_ensemble"]["tokens"] = stats.agreement.as_trace(engine.tokenizer.decode)
         mode = stats.mode
         TOKEN_POSITIONS.labels(call.ensemble, mode).inc(stats.positions)
         TOKEN_CONSULTED.labels(call.ensemble, mode).inc(stats.consulted)

@@ -36,6 +36,63 @@ def mix(logits: Sequence[torch.Tensor], weights: torch.Tensor, space: str, vocab
     return out if temperature == 1.0 else out / temperature
 
 
+class TokenAgreement:
+    """Per generated token of one sequence (the request's first): each member's probability of the token the
+    ensemble chose, the share of members whose own top-1 it was (``agreement``), and each member's top tokens.
+
+    A session reports the members' distributions at its last position (`observe`, kept by reference, nothing
+    computed) and the tokens it is then fed (`fed`): the first resolves the pending position. The last token
+    is never fed; `finish` resolves it from the emitted ids. Only the first ``limit`` tokens are kept."""
+
+    def __init__(self, labels: list[str], limit: int = 256, k: int = 3) -> None:
+        self.labels, self.limit, self.k = labels, limit, k
+        self.rows: list[dict[str, Any]] = []
+        self._pending: tuple[list[int], list[torch.Tensor]] | None = None
+
+    def observe(self, which: list[int], logits: Sequence[torch.Tensor]) -> None:
+        self._pending = (which, [x.detach().float().clone() for x in logits]) if len(self.rows) < self.limit \
+            else None
+
+    def fed(self, ids: Sequence[int], rows: Sequence[Sequence[torch.Tensor]] = ()) -> None:
+        """``ids`` were fed after the pending position; ``rows[j]``: the members' logits after ``ids[j]``."""
+        for j, token in enumerate(ids):
+            if self._pending is not None:
+                self._resolve(token)
+            if j < len(rows):
+                self.observe(self._pending[0] if self._pending else list(range(len(rows[j]))), rows[j])
+
+    def rollback(self, n: int) -> None:
+        del self.rows[len(self.rows) - min(n, len(self.rows)):]
+        self._pending = None
+
+    def finish(self, emitted: Sequence[int]) -> None:
+        """The tokens sequence 0 emitted: the pending position resolved with the last, if it was not fed."""
+        if self._pending is not None and len(emitted) == len(self.rows) + 1:
+            self._resolve(emitted[-1])
+        self._pending = None
+
+    def _resolve(self, token: int) -> None:
+        assert self._pending is not None
+        which, logits = self._pending
+        self._pending = None
+        p: dict[str, float] = {}
+        top: dict[str, list[tuple[int, float]]] = {}
+        agree = 0
+        for i, z in zip(which, logits):
+            probs = torch.softmax(z, dim=-1)
+            vals, idx = probs.topk(self.k)
+            p[self.labels[i]] = round(float(probs[token]), 6) if token < probs.numel() else 0.0
+            top[self.labels[i]] = [(int(t), round(float(v), 6)) for t, v in zip(idx, vals)]
+            agree += int(idx[0]) == token
+        self.rows.append({"id": token, "agreement": round(agree / len(which), 4), "p": p, "top": top})
+
+    def as_trace(self, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+        """Rows with the token's text (an end-of-sequence token, whose text is empty, is left out)."""
+        return [{"text": text, "agreement": r["agreement"], "p": r["p"],
+                 "top": {lb: [[decode([t]), v] for t, v in tops] for lb, tops in r["top"].items()}}
+                for r in self.rows if (text := decode([r["id"]]))]
+
+
 @dataclass
 class EnsembleStats:
     """What one request's token ensemble did: positions decoded, positions where the members were
@@ -52,11 +109,22 @@ class EnsembleStats:
     rounds: int = 0
     rolled_back: list[int] = field(default_factory=list)
     prompted: list[bool] = field(default_factory=list)  # whether the member read its prompt at all
+    agreement: TokenAgreement | None = None  # mode full: per-token agreement of the first sequence
+    _claimed: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.labels)
         self.fed, self.catch_up, self.rolled_back = [0] * n, [0] * n, [0] * n
         self.prompted = [self.mode != "selective"] * n
+        if self.mode == "full":
+            self.agreement = TokenAgreement(self.labels)
+
+    def claim(self) -> TokenAgreement | None:
+        """The per-token record, for the first generating session only (n > 1: the other choices are not kept)."""
+        if self._claimed:
+            return None
+        self._claimed = True
+        return self.agreement
 
     def as_trace(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode, "positions": self.positions, "consulted": self.consulted,

@@ -26,6 +26,7 @@ from chorus.server.gateway import Admission, Gateway
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.limits import BodyLimit
 from chorus.server.metrics import watch_engines
+from chorus.server.playground_route import router as playground_router
 from chorus.server.responses import ResponseStore
 from chorus.server.responses import router as responses_router
 from chorus.server.routes import router
@@ -97,6 +98,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.include_router(responses_router)
     app.include_router(embeddings_router)
     app.include_router(admin_router)
+    app.include_router(playground_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)

@@ -69,6 +69,9 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
             card["tool_format"] = "native" if engine.tokenizer.supports_tools else "json"
         if isinstance(engine, ChoiceScorer):
             card["scorer"] = engine.description
+        price = request.app.state.config.prices.get(name)
+        if price is not None:  # the config's price table (per million tokens): budgets, and the playground's cost
+            card["pricing"] = {"prompt": price.prompt, "completion": price.completion, "per_tokens": 1_000_000}
     return card
 
 

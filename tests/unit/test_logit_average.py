@@ -65,3 +65,34 @@ def test_registry() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register("logit_average", "x:Y")
     register("logit_average", STRATEGIES["logit_average"])  # the same target again is fine (config reloads)
+
+
+def test_the_trace_has_each_tokens_member_agreement() -> None:
+    """trace: the tokens of the answer, each with every member's probability of it (equal to the member's own
+    logprob of that token when it answers alone), whether it was the member's top-1, and its top tokens."""
+    import math
+
+    from openai import OpenAI
+
+    from tests.helpers import serve_fakes
+
+    engines = {"a": FakeEngine("a", script="The answer is 42."), "b": FakeEngine("b", script="The answer is 42!")}
+    with serve_fakes(engines, [{"name": "avg", "strategy": "logit_average", "members": ["a", "b"]}]) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
+        ask = {"messages": [{"role": "user", "content": "Q"}], "max_tokens": 30, "temperature": 0}
+        r = client.chat.completions.create(model="avg", extra_body={"ensemble": {"trace": True}}, **ask)
+        tokens = r.model_extra["ensemble"]["token_ensemble"]["tokens"]
+        text = r.choices[0].message.content
+        assert "".join(t["text"] for t in tokens) == text and text[:-1] == "The answer is 42"
+        assert [t["agreement"] for t in tokens] == [1.0] * 16 + [0.5]  # a tie at the end: a says ".", b "!"
+        assert tokens[-1]["top"]["b"][0][0] == "!" and tokens[-1]["top"]["a"][0][0] == "."
+        member = "a" if text.endswith(".") else "b"  # the one whose own answer is the ensemble's
+        alone = client.chat.completions.create(model=member, logprobs=True, **ask)
+        emitted = [lp for lp in alone.choices[0].logprobs.content if lp.token]  # the end-of-sequence token: ""
+        for t, lp in zip(tokens, emitted, strict=True):
+            assert t["text"] == lp.token and t["p"][member] == pytest.approx(math.exp(lp.logprob), abs=1e-5)
+        # streamed: the same rows on the last chunk
+        chunks = list(client.chat.completions.create(model="avg", stream=True, extra_body={"ensemble": {
+            "trace": True}}, **ask))
+        assert chunks[-1].model_extra["ensemble"]["token_ensemble"]["tokens"] == tokens
+    assert engines["a"].active_sessions == engines["b"].active_sessions == 0

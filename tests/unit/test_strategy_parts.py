@@ -59,8 +59,13 @@ def test_char_rouge_l_is_lcs_f_over_lowercased_characters(seed: int) -> None:
 def test_crowd_scores_and_vote() -> None:
     sim = np.array([[1.0, 0.2, 0.3], [0.2, 1.0, 0.9], [0.3, 0.9, 1.0]])
     assert crowd_scores(sim).tolist() == pytest.approx([0.5, 1.1, 1.2])
-    winner, q, _per = vote(["a b c", "a b d", "a b d"], {"word_rouge_l": 1.0})
+    winner, q, _per, matrix = vote(["a b c", "a b d", "a b d"], {"word_rouge_l": 1.0})
     assert winner == 1 and q[1] == q[2]  # a tie goes to the lowest index
+    # the matrix the trace carries: weighted similarities whose off-diagonal row sums are the scores
+    assert crowd_scores(matrix).tolist() == pytest.approx(q.tolist())
+    _w, q2, _p, m2 = vote(["a b c", "a b d"], {"word_rouge_l": 0.5, "char_rouge_l": 0.5})
+    assert m2[0, 1] == pytest.approx(0.5 * word_rouge_l(["a b c", "a b d"])[0, 1] + 0.5 * char_rouge_l(
+        ["a b c", "a b d"])[0, 1]) and crowd_scores(m2).tolist() == pytest.approx(q2.tolist())
 
 
 @pytest.mark.parametrize(("text", "kind", "want"), [
