@@ -4,6 +4,13 @@
   thousands commas dropped; the first number there if the phrase was present, else the last number in
   the text; a trailing "." stripped; integral values written without decimals ("42.0" -> "42").
 - ``choice``: the option letter (A-E) after the last "the answer is", else the last standalone letter.
+- ``yes_no``: "yes" or "no": the first of the two words after the last "the answer is", else the first in
+  the text (small models open with "Yes, ...").
+- ``text``: the rest of the line after the last "the answer is" or "Answer:" that is not the instruction's
+  placeholder echoed ("X", "where X is ..."), else the text's first sentence that is not a question (small
+  models answer first, then ramble); a leading ":", trailing punctuation, quotes and markdown emphasis
+  dropped; at most 200 characters.
+  Compare text answers with `normalise_text` (and, in the ensembles, embeddings).
 - a custom regular expression: its first group (or whole match) at the last match.
 
 No answer -> ``""``, which votes ignore.
@@ -16,7 +23,36 @@ import re
 PHRASE = re.compile(r"the answer is", re.IGNORECASE)
 NUMBER = re.compile(r"-?\d+\.?\d*")
 CHOICE = re.compile(r"\(?\b([A-E])\b\)?")
-KINDS = ("number", "choice")
+YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+PUNCTUATION = re.compile(r"[^\w\s]")
+LABEL = re.compile(r"the answer is\s*:?|^\s*answer\s*:", re.IGNORECASE | re.MULTILINE)
+PLACEHOLDER = re.compile(r"^(x|\.\.\.|your (short )?answer)$|where x is", re.IGNORECASE)  # the instruction echoed
+SENTENCE = re.compile(r"[^\n.?!]+(?:[.?!]+|$)", re.MULTILINE)
+KINDS = ("number", "choice", "yes_no", "text")
+TEXT_LIMIT = 200
+
+
+def normalise_text(s: str) -> str:
+    """SQuAD's answer normalisation: lower case, punctuation and articles dropped, spaces collapsed."""
+    return " ".join(ARTICLES.sub(" ", PUNCTUATION.sub(" ", s.lower())).split())
+
+
+def _clean(s: str) -> str:
+    return s.lstrip(":").strip().strip("*_\"'` ").rstrip(".!").strip("*_\"'` ")[:TEXT_LIMIT]
+
+
+def _text_answer(text: str) -> str:
+    for m in reversed(list(LABEL.finditer(text))):
+        line = _clean(text[m.end():].split("\n", 1)[0])
+        if line and not PLACEHOLDER.search(line):
+            return line
+    for sentence in SENTENCE.findall(text):
+        if sentence.strip().endswith("?") or LABEL.match(sentence.strip()):
+            continue
+        if (line := _clean(sentence)) and not PLACEHOLDER.search(line):
+            return line
+    return ""
 
 
 def _after_phrase(text: str) -> tuple[str, bool]:
@@ -41,6 +77,11 @@ def extract_answer(text: str, kind: str = "number", pattern: re.Pattern[str] | N
         last = matches[-1]
         return (last.group(1) if last.groups() else last.group(0)).strip()
     tail, had_phrase = _after_phrase(text)
+    if kind == "yes_no":
+        found = YES_NO.search(tail) or (YES_NO.search(text) if had_phrase else None)
+        return found.group(1).lower() if found else ""
+    if kind == "text":
+        return _text_answer(text)
     if kind == "choice":
         letters = CHOICE.findall(tail)
         return (letters[0] if had_phrase else letters[-1]) if letters else ""

@@ -5,7 +5,12 @@ i sees its own latest solution and those of the peers its row of the visibility 
 round 2 on with each peer's confidence), and writes a fresh solution. Stop when all latest answers
 agree, or after ``max_rounds``; the final answer is the majority of the last round (empty answers
 ignored, ties to the earliest agent), and the content is the first agent with that answer's last
-solution. Members of a round run concurrently.
+solution, in its own words. Members of a round run concurrently.
+
+``answer`` says what kind of answer is compared: ``number``, ``choice`` (a letter), ``yes_no``, ``text``
+(a short free-text answer: two agree when their normalised texts are equal or their embeddings' cosine is
+at least ``text_threshold``; answer_types.py), or ``auto``, which picks one of those from the question with
+the rules of `answer_types.detect_kind` (named in the trace).
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.clients.answers import compile_pattern, extract_answer
 from chorus.engines.base import Delta
+from chorus.ensembles.answer_types import AnswerCanon, clean_reply, detect_kind
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.errors import InvalidRequest
 
 TOPOLOGIES = ("memory", "report", "relay", "debate")
 INSTRUCTION = {"number": 'Solve it step by step, and end with "The answer is X" where X is a number.',
-               "choice": 'Solve it step by step, and end with "The answer is (X)" where X is the option letter.'}
+               "choice": 'Solve it step by step, and end with "The answer is (X)" where X is the option letter.',
+               "yes_no": 'Think it through briefly, and end with "The answer is yes" or "The answer is no".',
+               "text": 'Answer briefly, and end with "The answer is: X" where X is your short answer (a few '
+                       'words).'}
 
 
 def visibility(topology: str, n: int) -> list[list[bool]]:
@@ -63,7 +72,9 @@ class EoTParams(BaseModel):
     topology: Literal["memory", "report", "relay", "debate"] = "memory"
     visibility: list[list[int]] | None = Field(default=None, description="custom n x n 0/1 matrix: row i = whom i sees")
     max_rounds: int = Field(default=5, ge=0, le=10)
-    answer: Literal["number", "choice"] = "number"
+    answer: Literal["number", "choice", "yes_no", "text", "auto"] = "number"
+    text_threshold: float | None = Field(default=0.85, ge=-1, le=1, description=(
+        "text answers: the embedding cosine at or above which two agree (null: normalised text only)"))
     answer_pattern: str | None = Field(default=None, description="regex; its first group is the answer")
     instruction: str | None = Field(
         default=None, description="appended to the question (default: ask for 'The answer is X')"
@@ -92,13 +103,19 @@ class ExchangeOfThought(Strategy):
                      else visibility(self.params.topology, n))
         self.pattern = compile_pattern(self.params.answer_pattern)
 
-    def answer_of(self, text: str) -> str:
-        return extract_answer(text, self.params.answer, self.pattern)
+    def answer_of(self, text: str, kind: str) -> str:
+        return extract_answer(text, kind, self.pattern)
 
-    def instruction(self) -> str:
-        return self.params.instruction if self.params.instruction is not None else INSTRUCTION[self.params.answer]
+    def reply_text(self, text: str, question: str, kind: str) -> str:
+        """A yes/no or text reply without the prompt a small model copied into it (answer_types.clean_reply);
+        number and choice replies as they are (the reference behaviour)."""
+        return clean_reply(text, [question, self.instruction(kind)]) if kind in ("yes_no", "text") else text
 
-    def exchange_prompt(self, question: str, own: str, peers: list[tuple[str, str, float | None]]) -> str:
+    def instruction(self, kind: str) -> str:
+        return self.params.instruction if self.params.instruction is not None else INSTRUCTION[kind]
+
+    def exchange_prompt(self, question: str, own: str, peers: list[tuple[str, str, float | None]],
+                        kind: str) -> str:
         parts = [question, f"Your previous solution:\n{own}", "Solutions from other agents:"]
         for label, text, conf in peers:
             parts.append(f"Agent {label}" + (f" (confidence {conf:.2f})" if conf is not None else "") + f":\n{text}")
@@ -108,16 +125,20 @@ class ExchangeOfThought(Strategy):
             parts.append("A confidence below 0.5 means that solution is probably wrong, but a high confidence "
                          "can also be wrong.")
         parts.append("Use the other solutions as extra information, think again, and write a fresh solution. "
-                     + self.instruction())
+                     + self.instruction(kind))
         return "\n\n".join(parts)
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         question = call.prompt.question
         base = call.prompt.as_messages()
         rounds: list[dict[str, Any]] = []
+        kind, rule = (detect_kind(question) if self.params.answer == "auto" else
+                      (self.params.answer, "given"))
+        canon = AnswerCanon(kind, self.params.text_threshold)
         call.trace.update({"topology": self.params.topology if self.params.visibility is None else "custom",
-                           "visibility": [[int(x) for x in row] for row in self.sees], "rounds": rounds})
-        first = replace_question(base, f"{question}\n\n{self.instruction()}")
+                           "visibility": [[int(x) for x in row] for row in self.sees],
+                           "answer_type": kind, "answer_rule": rule, "rounds": rounds})
+        first = replace_question(base, f"{question}\n\n{self.instruction(kind)}")
         gens = await gather(*(call.generate(m, first) for m in self.members))
         active: list[Member] = []
         text: dict[int, str] = {}
@@ -126,9 +147,12 @@ class ExchangeOfThought(Strategy):
         agents: list[dict[str, Any]] = []
         for m, g in call.survivors(gens, self.members):
             active.append(m)
-            text[m.index], finish[m.index] = g.choices[0].text, g.choices[0].finish_reason
-            history[m.index] = [self.answer_of(text[m.index])]
-            agents.append({"member": m.label, "sees": [], "answer": history[m.index][-1], "text": text[m.index]})
+            text[m.index], finish[m.index] = self.reply_text(g.choices[0].text, question, kind), g.choices[0].finish_reason
+            agents.append({"member": m.label, "sees": [], "extracted": self.answer_of(text[m.index], kind),
+                           "text": text[m.index]})
+        for m, a, c in zip(active, agents, await canon.canon([a["extracted"] for a in agents])):
+            history[m.index] = [c]
+            a["answer"] = c
         rounds.append({"round": 0, "agents": agents})
         latest = [history[m.index][-1] for m in active]
         if agreed(latest):
@@ -142,7 +166,7 @@ class ExchangeOfThought(Strategy):
                     peers = [p for p in active if self.sees[m.index][p.index]]
                     conf = {p.label: confidence(history[p.index]) if r >= 2 else None for p in peers}
                     prompts.append(replace_question(base, self.exchange_prompt(
-                        question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers])))
+                        question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers], kind)))
                     agents.append({"member": m.label, "sees": [p.label for p in peers],
                                    "peer_confidence": {k: v for k, v in conf.items() if v is not None}})
                 replies = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
@@ -152,9 +176,13 @@ class ExchangeOfThought(Strategy):
                         a["error"] = True
                         continue
                     kept.append(m)
-                    text[m.index], finish[m.index] = reply.choices[0].text, reply.choices[0].finish_reason
-                    history[m.index].append(self.answer_of(text[m.index]))
-                    a.update(answer=history[m.index][-1], text=text[m.index])
+                    text[m.index] = self.reply_text(reply.choices[0].text, question, kind)
+                    finish[m.index] = reply.choices[0].finish_reason
+                    a.update(extracted=self.answer_of(text[m.index], kind), text=text[m.index])
+                done = [(m, a) for m, a in zip(active, agents) if m in kept]
+                for (m, a), c in zip(done, await canon.canon([a["extracted"] for _, a in done])):
+                    history[m.index].append(c)
+                    a["answer"] = c
                 active = [m for m, _ in call.survivors([m if m in kept else None for m in active], active)]
                 rounds.append({"round": r, "agents": agents})
                 latest = [history[m.index][-1] for m in active]
@@ -165,6 +193,8 @@ class ExchangeOfThought(Strategy):
         winner = next((m for m in active if history[m.index][-1] == final), active[0])
         if not final:
             reason += "; no agent gave an extractable answer"
+        if kind == "text":
+            call.trace["text_matches"] = canon.how  # how each extracted answer was matched to a canonical one
         call.trace.update({"answer": final, "winner": {"member": winner.label}, "reason": reason,
                            "confidence": {m.label: confidence(history[m.index]) for m in active}})
         yield Delta(0, text[winner.index], finish_reason=finish[winner.index])

@@ -81,6 +81,17 @@ def test_exchange_of_thought(sdk: openai.OpenAI) -> None:
     assert resp.choices[0].message.content
 
 
+def test_eot_default_answers_a_general_question_in_plain_text(sdk: openai.OpenAI) -> None:
+    """answer: auto reads a general question as text; the members' replies agree on Paris (in their words)."""
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    resp = sdk.chat.completions.create(model="eot-default", messages=q, temperature=0, max_tokens=48,
+                                       extra_body={"ensemble": {"trace": True, "max_rounds": 1}})
+    t = resp.model_extra["ensemble"]
+    assert t["answer_type"] == "text" and "Paris" in t["answer"]
+    assert "Paris" in (resp.choices[0].message.content or "") and "The answer is: X" not in resp.choices[0].message.content
+    assert all(a["answer"] for a in t["rounds"][0]["agents"][:2])
+
+
 def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
     chunks = list(ask(sdk, "moa-default", {"trace": True}, temperature=0, max_tokens=32, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
