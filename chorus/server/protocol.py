@@ -22,7 +22,7 @@ from chorus.engines.base import (
 from chorus.engines.families.options import FamilyFields
 from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
-from chorus.server import structured, unsupported
+from chorus.server import fusion, structured, unsupported
 from chorus.server import tools as tool_fields
 
 
@@ -78,6 +78,7 @@ class CompletionFields(FamilyFields):
         body = handler(data)
         raw = data if isinstance(data, dict) else {}
         body.refuse_unsupported(raw)
+        body.ensemble = fusion.ensemble_of(raw.get("plugins"), body.ensemble)
         body._constraint = body.read_constraint(raw)
         body._tools = body.read_tools()
         return body

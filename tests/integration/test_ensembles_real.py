@@ -101,6 +101,18 @@ def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
     assert len(t["layers"][0]) == 2 and t["winner"]["member"] == f"aggregator:{SMOL}"
 
 
+def test_mixture_of_agents_quorum_and_judge_per_request(sdk: openai.OpenAI) -> None:
+    """A quorum of one (the other proposer is cancelled), the judge-skip test (one proposal: no skip), and
+    Gemma as the judge for this request only."""
+    r = ask(sdk, "moa-default", {"trace": True, "quorum": 1, "skip_judge": True, "aggregator": GEMMA},
+            temperature=0, max_tokens=24)
+    t = r.model_extra["ensemble"]
+    layer = t["quorum"]["layers"][0]
+    assert len(layer["replied"]) == 1 and len(layer["late"]) == 1 and len(t["layers"][0]) == 1
+    assert t["judge"]["model"] == GEMMA and t["judge"]["why_not"] == "fewer than two proposals"
+    assert (r.choices[0].message.content or "").strip() and f"aggregator:{GEMMA}" in t["usage_by_member"]
+
+
 def test_logit_average_refuses_different_vocabularies(sdk: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="topk_union"):
         ask(sdk, SMOL, {"strategy": "logit_average", "members": [SMOL, GEMMA]})

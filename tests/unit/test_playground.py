@@ -38,7 +38,7 @@ ENSEMBLES: list[dict[str, Any]] = [
     {"name": "vote", "strategy": "crowd_vote", "members": ["a", "b", "c"], "metric": "word_rouge_l"},
     {"name": "eot", "strategy": "exchange_of_thought", "members": ["a", "b", "c"], "max_rounds": 2,
      "instruction": "Answer."},
-    {"name": "moa", "strategy": "mixture_of_agents", "members": ["a", "b", "c"]},
+    {"name": "moa", "strategy": "mixture_of_agents", "members": ["a", "b", "slow"], "quorum": 2, "rationale": True},
     {"name": "route", "strategy": "route", "router": "random", "members": ["a", "b"], "weights": [0.0, 1.0]},
     {"name": "cascade", "strategy": "cascade", "members": ["c", "a"], "threshold": -0.01},
 ]
@@ -204,8 +204,11 @@ def test_router_and_mixture_of_agents_views(server: LiveServer, browser: Any) ->
     page = Page(browser, server.url)
     page.run(["moa", "route"])
     answer, moa = traced(server, "moa")
-    proposals = page.column("moa").locator(".proposal")
+    proposals = page.column("moa").locator(".proposal:not(.late)")
     assert proposals.evaluate_all("els => els.map(e => e.dataset.member)") == [p["member"] for p in moa["layers"][0]]
+    late = page.column("moa").locator(".proposal.late")
+    assert late.evaluate_all("els => els.map(e => e.dataset.member)") == moa["quorum"]["layers"][0]["late"] == ["slow"]
+    assert page.column("moa").locator(".rationale .text").inner_text() == moa["judge"]["rationale"]
     assert page.column("moa").locator(".aggregate .text").inner_text() == answer
     _, route = traced(server, "route")
     won = page.column("route").locator("tr.winner")

@@ -141,13 +141,26 @@ function route(t) {
 
 // Mixture-of-agents: each layer's proposals, then the aggregate.
 function mixtureOfAgents(t, answer) {
-  const layers = (t.layers || []).map((layer, i) => el("div", { class: "layer", "data-layer": i },
-    el("strong", { text: `Layer ${i + 1}: proposals` }),
-    el("div", { class: "agents" }, layer.map((p) => el("div", { class: "proposal", "data-member": p.member },
-      el("strong", { text: p.member }), el("div", { class: "text", text: p.text }))))));
-  const agg = t.aggregator ? t.aggregator.label : "aggregator";
+  const quorum = (t.quorum && t.quorum.layers) || [];
+  const layers = (t.layers || []).map((layer, i) => {
+    const q = quorum[i];
+    const late = q ? q.late.map((m) => el("div", { class: "proposal late", "data-member": m },
+      el("strong", { text: m }), el("div", { class: "text", text: `late: cancelled after ${fmt(q.seconds[m], 2)} s` })))
+      : [];
+    return el("div", { class: "layer", "data-layer": i },
+      el("strong", { text: `Layer ${i + 1}: proposals` + (q ? ` (quorum ${t.quorum.k} of ${t.quorum.of})` : "") }),
+      el("div", { class: "agents" }, layer.map((p) => el("div", { class: "proposal", "data-member": p.member },
+        el("strong", { text: p.member + (q && q.seconds[p.member] !== undefined ? ` (${fmt(q.seconds[p.member], 2)} s)`
+                                                                               : "") }),
+        el("div", { class: "text", text: p.text }))), ...late));
+  });
+  const judge = t.judge || {};
+  const agg = judge.label || (t.aggregator ? t.aggregator.label : "aggregator");
+  const head = judge.skipped ? `Judge skipped (${agg}): the proposals agree` : `Aggregate (${agg})`;
   return section("Mixture-of-agents", layers,
-    el("div", { class: "aggregate" }, el("strong", { text: `Aggregate (${agg})` }),
+    judge.rationale ? el("div", { class: "rationale" }, el("strong", { text: "Judge's assessment" }),
+                         el("div", { class: "text", text: judge.rationale })) : null,
+    el("div", { class: "aggregate", "data-skipped": judge.skipped ? "true" : null }, el("strong", { text: head }),
       el("div", { class: "text", text: answer || "" })), reason(t));
 }
 
