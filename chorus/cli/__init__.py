@@ -105,6 +105,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.eval_addition:main",
         "chorus.clients.eval_addition:add_arguments",
     ),
+    ("eval", "facts"): Command(
+        "short free-text answers (capitals, continents, symbols, conversions): models vs text-level ensembles",
+        "chorus.clients.eval_facts:main",
+        "chorus.clients.eval_facts:add_arguments",
+    ),
     ("eval", "tasks"): Command(
         "lm-evaluation-harness task YAMLs for local PIQA / ARC-Easy / HellaSwag files",
         "chorus.clients.lm_eval_tasks:main",

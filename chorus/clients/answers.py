@@ -6,8 +6,9 @@
 - ``choice``: the option letter (A-E) after the last "the answer is", else the last standalone letter.
 - ``yes_no``: "yes" or "no": the first of the two words after the last "the answer is", else the first in
   the text (small models open with "Yes, ...").
-- ``text``: the rest of the line after the last "the answer is" or "Answer:" that is not the instruction's
-  placeholder echoed ("X", "where X is ..."), else the text's first sentence that is not a question (small
+- ``text``: the rest of the line after the last "the answer is" or "Answer:" (up to the next such label)
+  that is not the instruction's placeholder echoed ("X", "where X is ...") or a negation ("the answer is
+  not ..."), else the text's first sentence that is not a question (small
   models answer first, then ramble); a leading ":", trailing punctuation, quotes and markdown emphasis
   dropped; at most 200 characters.
   Compare text answers with `normalise_text` (and, in the ensembles, embeddings).
@@ -28,6 +29,7 @@ ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = re.compile(r"[^\w\s]")
 LABEL = re.compile(r"the answer is\s*:?|^\s*answer\s*:", re.IGNORECASE | re.MULTILINE)
 PLACEHOLDER = re.compile(r"^(x|\.\.\.|your (short )?answer)$|where x is", re.IGNORECASE)  # the instruction echoed
+NEGATION = re.compile(r"not\b", re.IGNORECASE)  # "the answer is not ...": no answer there
 SENTENCE = re.compile(r"[^\n.?!]+(?:[.?!]+|$)", re.MULTILINE)
 KINDS = ("number", "choice", "yes_no", "text")
 TEXT_LIMIT = 200
@@ -43,9 +45,11 @@ def _clean(s: str) -> str:
 
 
 def _text_answer(text: str) -> str:
-    for m in reversed(list(LABEL.finditer(text))):
-        line = _clean(text[m.end():].split("\n", 1)[0])
-        if line and not PLACEHOLDER.search(line):
+    labels = list(LABEL.finditer(text))
+    for i in reversed(range(len(labels))):
+        end = labels[i + 1].start() if i + 1 < len(labels) else len(text)  # up to the next label
+        line = _clean(text[labels[i].end():end].split("\n", 1)[0])
+        if line and not PLACEHOLDER.search(line) and not NEGATION.match(line):
             return line
     for sentence in SENTENCE.findall(text):
         if sentence.strip().endswith("?") or LABEL.match(sentence.strip()):

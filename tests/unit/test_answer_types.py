@@ -75,6 +75,8 @@ def test_auto_on_real_question_sets() -> None:
      "The capital of France is Paris"),  # the question echoed, then a label
     ("Paris is the capital.\n\nThe answer is: X\n\nThe answer is: X", "text", "Paris is the capital"),  # placeholder
     ('X" where X is your short answer (a few words)', "text", ""),
+    ("The answer is: Pyongyang\n\nIt is not correct. The answer is not the correct answer. The answer is: X", "text",
+     "Pyongyang"),  # a negation and a placeholder after the answer
     ("", "text", ""),
 ])
 def test_extraction_per_type(text: str, kind: str, want: str) -> None:
