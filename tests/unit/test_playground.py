@@ -188,6 +188,7 @@ def test_each_trace_view_draws_the_traces_numbers(server: LiveServer, browser: A
     shown = page.column("eot").locator(".agent .answer").evaluate_all("els => els.map(e => e.dataset.answer)")
     assert shown == [a["answer"] for r in eot["rounds"] for a in r["agents"]]
     assert page.column("eot").locator(".final-answer").inner_text() == eot["answer"]
+    assert page.column("eot").locator(".answer-type").get_attribute("data-type") == eot["answer_type"] == "number"
     # cascade: the escalation path with each step's confidence
     _, cas = traced(server, "cascade")
     steps = page.column("cascade").locator(".path .step")

@@ -38,9 +38,11 @@ function exchangeOfThought(t) {
             a.sees && a.sees.length ? el("span", { class: "help", text: ` sees ${a.sees.join(", ")}` }) : null),
           el("div", { class: "answer", "data-answer": a.answer ?? "",
                       text: `answer: ${a.answer === "" || a.answer == null ? "(none)" : a.answer}` +
-                            (a.type ? ` (${a.type})` : "") }),
+                            (a.extracted !== undefined && a.extracted !== a.answer ? ` (said: ${a.extracted})` : "") }),
           el("div", { class: "text", text: a.text || "" }))))));
   return section(`Exchange-of-Thought: ${t.topology || "custom"}, ${(t.rounds || []).length} round(s)`,
+    t.answer_type ? el("p", { class: "answer-type", "data-type": t.answer_type },
+                       `answers compared as ${t.answer_type}` + (t.answer_rule ? ` (${t.answer_rule})` : "")) : null,
     el("ol", { class: "timeline" }, rounds),
     el("p", {}, "final answer: ", el("strong", { class: "final-answer", text: t.answer === "" ? "(none)" : t.answer })),
     reason(t));
