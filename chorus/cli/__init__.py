@@ -126,6 +126,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.engine:main",
         "chorus.bench.engine:add_arguments",
     ),
+    ("bench", "llama"): Command(
+        "llama.cpp engine vs llama-server, llama_cpp.server and the transformers engine: tokens/s and TTFT",
+        "chorus.bench.llama:main",
+        "chorus.bench.llama:add_arguments",
+    ),
     ("bench", "structured"): Command(
         "constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
         "chorus.bench.structured:main",

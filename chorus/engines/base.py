@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from chorus.engines.runtime.metric import Metric
-from chorus.errors import InvalidRequest
+from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
 TEXT = "text"
 STREAM = "stream"
@@ -244,6 +244,26 @@ class ChoiceScorer(Protocol):
     async def score_options(self, prompt: str, options: Sequence[str]) -> tuple[list[float], int]:
         """One logit per option, and the tokens read."""
         ...
+
+
+def check_extend(closed: bool, prefilled: bool, n: int, length: int, max_model_len: int) -> None:
+    """What a session's ``extend`` needs: open, prefilled, at least one token, and room in the context window."""
+    if closed:
+        raise EngineFailed("session is closed")
+    if not prefilled:
+        raise InvalidRequest("prefill the session before stepping it")
+    if not n:
+        raise InvalidRequest("extend needs at least one token")
+    if length + n > max_model_len:
+        raise ContextLengthExceeded(f"session exceeds the context window of {max_model_len} tokens")
+
+
+def check_can_roll_back(closed: bool, prefilled: bool, running: bool) -> None:
+    """A rollback needs an open, prefilled session that is not in a forward."""
+    if closed or not prefilled:
+        raise InvalidRequest("rollback needs an open, prefilled session")
+    if running:
+        raise InvalidRequest("rollback while the session is running a forward")
 
 
 def check_rollback(n: int, length: int) -> None:

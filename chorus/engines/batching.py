@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.base import check_rollback
+from chorus.engines.base import check_can_roll_back, check_extend, check_rollback
 from chorus.engines.batch_rows import BatchRows, PrefillJob, resolve
 from chorus.engines.forward_passes import ForwardPasses
 from chorus.engines.prefill_plan import plan_prefills
@@ -68,14 +68,7 @@ class BatchedSession:
 
     async def extend(self, ids: Sequence[int]) -> torch.Tensor:
         """Several tokens in the batch's decode forwards (up to `MAX_EXTEND` a forward): (len(ids), V)."""
-        if self.closed:
-            raise EngineFailed("session is closed")
-        if not self.joined:
-            raise InvalidRequest("prefill the session before stepping it")
-        if not ids:
-            raise InvalidRequest("extend needs at least one token")
-        if self.length + len(ids) > self._runner.max_model_len:
-            raise ContextLengthExceeded(f"session exceeds the context window of {self._runner.max_model_len} tokens")
+        check_extend(self.closed, self.joined, len(ids), self.length, self._runner.max_model_len)
         loop = asyncio.get_running_loop()
         self.future = loop.create_future()
         self.pending = [int(t) for t in ids]
@@ -90,10 +83,7 @@ class BatchedSession:
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` tokens: their cache columns are masked out before the next forward (and
         trimmed once no row uses them), so nothing attends to them again."""
-        if self.closed or not self.joined:
-            raise InvalidRequest("rollback needs an open, prefilled session")
-        if self.future is not None:
-            raise InvalidRequest("rollback while the session is running a forward")
+        check_can_roll_back(self.closed, self.joined, self.future is not None)
         check_rollback(n, self.length)
         self.length -= n
         self.dropping += n

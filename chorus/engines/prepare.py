@@ -53,7 +53,8 @@ def prepare_model(spec: ModelSpec, home: Path | None = None, *, force: bool = Fa
         if spec.engine == "transformers" and not (d / "config.json").is_file():
             raise EngineUnavailable(f"{spec.name}: {d} is not a Hugging Face checkpoint directory (no config.json)")
         what = {"fake": "fake engine", "remote": "served remotely",
-                "embedding": "an embedding model, loaded as it is"}.get(spec.engine, str(d))
+                "embedding": "an embedding model, loaded as it is",
+                "llama_cpp": "a GGUF, loaded as it is by llama.cpp"}.get(spec.engine, str(d))
         log(f"{spec.name}: nothing to prepare ({what})")
         return d
     target = spec.prepared_dir(home)

