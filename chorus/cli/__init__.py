@@ -131,6 +131,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.llama:main",
         "chorus.bench.llama:add_arguments",
     ),
+    ("bench", "llama-agreement"): Command(
+        "llama.cpp vs transformers on the same GGUF: top-1 agreement, logprob differences, accuracy both ways",
+        "chorus.bench.llama_agreement:main",
+        "chorus.bench.llama_agreement:add_arguments",
+    ),
     ("bench", "structured"): Command(
         "constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
         "chorus.bench.structured:main",
