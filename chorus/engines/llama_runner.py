@@ -24,7 +24,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ class Work:
     all_logits: bool  # an extend: every token's logits; a prefill: the last token's only
     future: asyncio.Future[torch.Tensor]
     done: int = 0  # tokens already fed (chunked prefill, long extends)
-    rows: list[torch.Tensor] | None = None
+    rows: list[torch.Tensor] = field(default_factory=list)  # each batch's logits rows, joined at the end
 
 
 class LlamaSession:
@@ -82,7 +82,7 @@ class LlamaSession:
 
     async def _submit(self, ids: list[int], *, all_logits: bool, prefill: bool) -> torch.Tensor:
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        self.work = Work(ids, all_logits, future, rows=[])
+        self.work = Work(ids, all_logits, future)
         self._runner.enqueue(self, prefill)
         try:
             return await future
@@ -225,7 +225,6 @@ class LlamaRunner:
                         continue
                     w.done += len(take)
                     s.length += len(take)
-                    assert w.rows is not None
                     w.rows.append(rows)
                     if ends:
                         if s not in self.decoding:
