@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen llama-cpp serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
+.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ models-qwen: install
 
 # opt-in: llama-cpp-python for `engine: llama_cpp` (an sdist: it builds llama.cpp, about 8 minutes on 2 cores
 # once, then pip's wheel cache). llama.cpp's default native build crashes in llama_decode on these CPUs (any
-# prompt longer than one token); this recipe is the one known to work here (docs/engines.md says more).
+# prompt longer than one token); this recipe is the one known to work here (docs/configuration.md says more).
 LLAMA_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_OPENMP=OFF
 LLAMA_STAMP := $(VENV)/.chorus-llama-installed
 $(LLAMA_STAMP): $(STAMP)
@@ -40,6 +40,17 @@ $(LLAMA_STAMP): $(STAMP)
 	touch $(LLAMA_STAMP)
 
 llama-cpp: $(LLAMA_STAMP)
+
+# opt-in: llama.cpp's own llama-server, built from the sources the installed llama-cpp-python vendors, with the
+# same flags (scripts/build-llama-server, about 6 minutes once), into build/llama-server/bin
+llama-server: $(LLAMA_STAMP)
+	BIN=$(abspath $(BIN)) LLAMA_CMAKE="$(LLAMA_CMAKE)" bash scripts/build-llama-server
+
+# chorus's llama.cpp engine against llama-server, llama_cpp.server (its server extra's two packages) and the
+# transformers engine, 1 / 4 / 8 / 16 streams (docs/benchmarks.md)
+bench-llama: llama-server models
+	$(BIN)/python -m pip install -q 'starlette-context>=0.3.6,<0.4' 'pydantic-settings>=2.0.1'
+	$(BIN)/chorus bench llama --llama-server build/llama-server/bin/llama-server
 
 serve: models
 	$(BIN)/chorus serve

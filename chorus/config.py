@@ -203,7 +203,8 @@ class ChorusConfig(BaseModel):
         for m in self.models:
             if m.optional and not ready(m):
                 how = m.add_with or f"chorus models prepare {m.name}"
-                skipped.append(f"{m.name}: optional and not prepared, not served (add it with: {how})")
+                why = "llama-cpp-python is not installed" if m.engine == "llama_cpp" else "not prepared"
+                skipped.append(f"{m.name}: optional and {why}, not served (add it with: {how})")
             else:
                 models.append(m)
         names = {m.name for m in models}

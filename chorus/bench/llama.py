@@ -48,7 +48,8 @@ def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict,
         port = free_port()
         out.append(Server("llama_cpp.server (llama-cpp-python)", [
             sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(args.threads),
-            "--n_ctx", "4096", "--port", str(port)], port, str(gguf), {"stream_options": {"include_usage": True}},
+            "--n_ctx", "4096", "--interrupt_requests", "False", "--port", str(port)], port, str(gguf),
+            {"stream_options": {"include_usage": True}},
             tmp / "lcp.log"))
     else:
         print("llama_cpp.server: skipped (needs llama-cpp-python[server]: starlette-context)", file=sys.stderr)
@@ -98,8 +99,11 @@ def main(args: argparse.Namespace) -> int:
                             http_load(srv.url, srv.model, args.tokens, k, srv.extra))
                 chorus = ready[0] if ready and ready[0].label.endswith("llama_cpp") else None
                 if chorus is not None:
+                    r = http_load(chorus.url, "llama-avg", args.tokens, 1, chorus.extra)
+                    # an ensemble's usage counts every member's tokens; the rate that compares is the answer's
+                    answer = args.tokens
                     results.setdefault(("logit_average of two llama.cpp members", 1), []).append(
-                        http_load(chorus.url, "llama-avg", args.tokens, 1, chorus.extra))
+                        Result(r.tok_s * answer / r.tokens, r.ttfts, answer))
         finally:
             stop_servers(servers)
     best = {key: max(v, key=lambda r: r.tok_s) for key, v in results.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from chorus.cli.serve import config_of
 
@@ -34,7 +35,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def list_models(args: argparse.Namespace) -> int:
-    from chorus.engines.prepare import is_prepared
+    from chorus.engines.prepare import is_prepared, is_ready
+    from chorus.engines.sources import resolve_gguf
     from chorus.engines.spec import chorus_home
 
     config = config_of(args)
@@ -44,6 +46,12 @@ def list_models(args: argparse.Namespace) -> int:
         d = m.checkpoint_dir(home)
         if m.engine == "fake":
             state = "built-in"
+        elif m.engine == "llama_cpp":  # the GGUF as it is: ready once llama-cpp-python is installed
+            state = "ready" if is_ready(m) else "optional" if m.optional else "missing"
+            try:
+                d = resolve_gguf(m, home)
+            except Exception:  # the GGUF's package is not installed: say where it would come from
+                d = Path(str(m.source or m.path))
         elif m.needs_prepare:
             state = "prepared" if is_prepared(d) else "optional" if m.optional else "not prepared"
         else:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.base import check_can_roll_back, check_extend, check_rollback
+from chorus.engines.base import check_can_roll_back, check_extend, check_rollback, gather_ready
 from chorus.engines.batch_rows import BatchRows, PrefillJob, resolve
 from chorus.engines.forward_passes import ForwardPasses
 from chorus.engines.prefill_plan import plan_prefills
@@ -247,27 +247,9 @@ class BatchRunner:
         return delivered
 
     async def _gather(self) -> None:
-        """Give the sequences just served a moment to submit their next token, so they share a step: up to
-        ``gather_wait_s`` after the last one that did (rows that mask their logits for a grammar take a few
-        tenths of a millisecond each on the event loop: a fixed window split a batch of 8 into two forwards),
-        at most 8 windows in all."""
+        """The rows just served get a moment to submit their next token (`gather_ready`)."""
         waiting = self._last_delivered
-        if not waiting:
-            return
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + self.gather_wait_s
-        spins = 0
-        ready = sum(1 for s in waiting if s.pending or s.closed)
-        while ready < len(waiting):
-            now = loop.time()
-            if now > deadline or now > start + 8 * self.gather_wait_s:
-                break
-            spins += 1
-            await asyncio.sleep(0 if spins < 8 else 0.0005)
-            now_ready = sum(1 for s in waiting if s.pending or s.closed)
-            if now_ready > ready:
-                ready, deadline = now_ready, loop.time() + self.gather_wait_s
+        await gather_ready(lambda: sum(1 for s in waiting if s.pending or s.closed), len(waiting), self.gather_wait_s)
 
     def _fail_all(self, err: Exception) -> None:
         self.batch.reset(err)

@@ -1,8 +1,10 @@
 """Continuous batching in one llama.cpp context: the scheduler behind `engine: llama_cpp`.
 
 Every open sequence (a `LlamaSession`) owns one llama.cpp sequence id and its own KV cells (the cache is
-split per sequence: with llama.cpp's unified cache a sequence's logits changed with where its cells lay). Each scheduler iteration builds
-one ``llama_batch`` and runs one ``llama_decode`` on the decode thread:
+split per sequence: with llama.cpp's unified cache a sequence's logits changed with where its cells lay). Each scheduler iteration gives the
+sessions it just served a moment to submit their next token (`gather_ready`, as the transformers runner does:
+without it a batch of 8 streams split into steps of one or two), builds one ``llama_batch`` and runs one
+``llama_decode`` on the decode thread:
 
 1. every session with tokens waiting (a decode step, or an ``extend`` of up to `MAX_EXTEND` tokens) puts
    them in, each token at its own position and sequence id, with its logits asked for;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.engines.base import check_can_roll_back, check_extend, check_rollback
+from chorus.engines.base import check_can_roll_back, check_extend, check_rollback, gather_ready
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
 log = logging.getLogger("chorus.llama_cpp")
@@ -96,18 +99,28 @@ class LlamaSession:
         self.length -= n
         self.trim_to = self.length
 
+    def waits(self) -> bool:
+        """Whether this session has submitted work the scheduler has not answered yet."""
+        return self.work is not None and not self.work.future.done()
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self._runner.release(self)
 
 
+def _answered(sessions: list[LlamaSession]) -> int:
+    """How many of ``sessions`` have submitted their next work (or closed)."""
+    return sum(1 for s in sessions if s.closed or s.waits())
+
+
 class LlamaRunner:
     """Owns the context; schedules batches (decode steps first, then prefill chunks) on one decode thread."""
 
     def __init__(self, lib: Any, ctx: Any, *, n_vocab: int, max_model_len: int, max_batch_size: int,
-                 n_batch: int) -> None:
+                 n_batch: int, gather_wait_s: float = 0.004) -> None:
         self.lib = lib
+        self.gather_wait_s = gather_wait_s
         self.ctx = ctx
         self.mem = lib.llama_get_memory(ctx)
         self.n_vocab = n_vocab
@@ -197,39 +210,42 @@ class LlamaRunner:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        served: list[LlamaSession] = []  # the sessions given logits by the last batch
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                trims: list[tuple[int, int]] = [(s.seq, s.trim_to) for s in self.decoding
-                                                if s.trim_to is not None and s.seq is not None]
-                for s in self.decoding:
-                    s.trim_to = None
-                if self.to_free or trims:
-                    await loop.run_in_executor(self.thread, self._apply_removals, trims)
-                plan = self._plan()
-                if not plan:
-                    break
-                try:
-                    out = await loop.run_in_executor(self.thread, self._decode, plan)
-                except Exception as exc:  # the whole batch fails; every session in it gets the error
-                    log.exception("llama_decode failed")
-                    for s, _, _ in plan:
-                        if s.work is not None and not s.work.future.done():
-                            s.work.future.set_exception(EngineFailed(f"llama.cpp decode failed: {exc}"))
+            await gather_ready(functools.partial(_answered, served), len(served), self.gather_wait_s)
+            served = []
+            trims: list[tuple[int, int]] = [(s.seq, s.trim_to) for s in self.decoding
+                                            if s.trim_to is not None and s.seq is not None]
+            for s in self.decoding:
+                s.trim_to = None
+            if self.to_free or trims:
+                await loop.run_in_executor(self.thread, self._apply_removals, trims)
+            plan = self._plan()
+            if not plan:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                out = await loop.run_in_executor(self.thread, self._decode, plan)
+            except Exception as exc:  # the whole batch fails; every session in it gets the error
+                log.exception("llama_decode failed")
+                for s, _, _ in plan:
+                    if s.work is not None and not s.work.future.done():
+                        s.work.future.set_exception(EngineFailed(f"llama.cpp decode failed: {exc}"))
+                continue
+            self.steps += 1
+            for (s, take, ends), rows in zip(plan, out):
+                w = s.work
+                if w is None or w.future.done() or s.closed:
                     continue
-                self.steps += 1
-                for (s, take, ends), rows in zip(plan, out):
-                    w = s.work
-                    if w is None or w.future.done() or s.closed:
-                        continue
-                    w.done += len(take)
-                    s.length += len(take)
-                    w.rows.append(rows)
-                    if ends:
-                        if s not in self.decoding:
-                            self.decoding.append(s)
-                        w.future.set_result(torch.cat(w.rows) if len(w.rows) > 1 else w.rows[0])
+                w.done += len(take)
+                s.length += len(take)
+                w.rows.append(rows)
+                if ends:
+                    if s not in self.decoding:
+                        self.decoding.append(s)
+                    w.future.set_result(torch.cat(w.rows) if len(w.rows) > 1 else w.rows[0])
+                    served.append(s)
 
     def _apply_removals(self, trims: list[tuple[int, int]] | None = None) -> None:
         """On the decode thread: clear closed sessions' sequences and cut rolled-back ones."""

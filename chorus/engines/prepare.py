@@ -8,6 +8,7 @@ place only after verification, so an interrupted run never leaves a checkpoint t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -38,7 +39,9 @@ def is_prepared(d: Path) -> bool:
 
 
 def is_ready(spec: ModelSpec, home: Path | None = None) -> bool:
-    """The model can be loaded without preparing it first."""
+    """The model can be loaded without preparing it first (``engine: llama_cpp``: llama-cpp-python is installed)."""
+    if spec.engine == "llama_cpp":
+        return importlib.util.find_spec("llama_cpp") is not None
     return not spec.needs_prepare or is_prepared(spec.prepared_dir(home))
 
 

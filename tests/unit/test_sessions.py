@@ -181,3 +181,26 @@ def test_session_api_needs_a_key_when_keys_are_set() -> None:
             assert c.post(S, json={"model": "fake", "prompt": [1]}).status_code == 401
             ok = c.post(S, json={"model": "fake", "prompt": [1]}, headers={"Authorization": "Bearer secret-key-123"})
             assert ok.status_code == 200
+
+
+async def test_gather_ready_waits_for_every_served_sequence_within_its_window() -> None:
+    """A batching scheduler's pause: it returns as soon as every sequence it served has its next token in, keeps
+    waiting while they keep coming (each one restarts the window), and gives up one window after the last."""
+    from chorus.engines.base import gather_ready
+
+    ready = [False, False, False]
+
+    async def arrive(i: int, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        ready[i] = True
+
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.create_task(arrive(i, 0.01 * (i + 1))) for i in range(3)]  # each within 10 ms of the last
+    await gather_ready(lambda: sum(ready), 3, window_s=0.05)
+    assert all(ready)  # the window restarted with each arrival
+    await asyncio.gather(*tasks)
+    ready[:] = [True, False, False]  # two never come: back after a window
+    t0 = loop.time()
+    await gather_ready(lambda: sum(ready), 3, window_s=0.05)
+    assert loop.time() - t0 >= 0.05
+    await gather_ready(lambda: 0, 0, window_s=10)  # nothing served: no wait at all
