@@ -273,25 +273,30 @@ def check_rollback(n: int, length: int) -> None:
         raise InvalidRequest(f"cannot roll back {n} of {length} tokens")
 
 
-async def gather_ready(count_ready: Callable[[], int], total: int, window_s: float) -> None:
+async def gather_ready(count_ready: Callable[[], int], total: int, window_s: float, wake: asyncio.Event) -> None:
     """A batching scheduler's pause before its next step: give the ``total`` sequences it just served a moment
     to submit their next token, so they share one step instead of splitting it. Waits up to ``window_s`` after
     the last one that did (rows that mask their logits for a grammar take a few tenths of a millisecond each
     on the event loop: a fixed window split a batch of 8 into two forwards), at most 8 windows in all;
-    ``count_ready()`` says how many have (or have gone)."""
+    ``count_ready()`` says how many have (or have gone). ``wake`` is the scheduler's event, set whenever a
+    sequence submits work: the pause sleeps on it rather than polling (a poll every half millisecond cost a
+    single stream up to that much per token), and clears it (the scheduler plans from its queues after)."""
     if total == 0:
         return
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + window_s
-    spins = 0
     ready = count_ready()
     while ready < total:
-        now = loop.time()
-        if now > deadline or now > start + 8 * window_s:
+        left = min(deadline, start + 8 * window_s) - loop.time()
+        if left <= 0:
             break
-        spins += 1
-        await asyncio.sleep(0 if spins < 8 else 0.0005)
+        wake.clear()
+        try:
+            async with asyncio.timeout(left):
+                await wake.wait()
+        except TimeoutError:
+            break
         now_ready = count_ready()
         if now_ready > ready:
             ready, deadline = now_ready, loop.time() + window_s

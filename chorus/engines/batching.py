@@ -249,7 +249,8 @@ class BatchRunner:
     async def _gather(self) -> None:
         """The rows just served get a moment to submit their next token (`gather_ready`)."""
         waiting = self._last_delivered
-        await gather_ready(lambda: sum(1 for s in waiting if s.pending or s.closed), len(waiting), self.gather_wait_s)
+        await gather_ready(lambda: sum(1 for s in waiting if s.pending or s.closed), len(waiting), self.gather_wait_s,
+                           self._wake)
 
     def _fail_all(self, err: Exception) -> None:
         self.batch.reset(err)

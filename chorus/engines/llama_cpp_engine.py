@@ -30,7 +30,7 @@ from chorus.engines.spec import ModelSpec, chorus_home
 from chorus.errors import ConfigError, EngineUnavailable
 
 log = logging.getLogger("chorus.engine")
-OPTIONS = {"n_ctx", "n_batch", "threads"}
+OPTIONS = {"n_ctx", "n_batch", "threads", "threads_batch"}
 CONTEXT_CAP = 4096
 _STATE: dict[str, Any] = {}  # the initialised library and its log callback (llama.cpp keeps the pointer)
 
@@ -120,13 +120,14 @@ class LlamaCppEngine(SessionEngine):
             raise ConfigError(f"model {spec.name!r}: llama_cpp.n_ctx {n_ctx} leaves {max_model_len} cells to each of "
                               f"{spec.max_batch_size} sequences")
         threads = int(opts.get("threads", os.cpu_count() or 1))
+        threads_batch = int(opts.get("threads_batch", threads))
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = spec.max_batch_size
         cparams.n_threads = threads
-        cparams.n_threads_batch = threads
+        cparams.n_threads_batch = threads_batch
         cparams.kv_unified = False  # each sequence its own cells (measured: the unified cache changes a
         # sequence's logits by up to 0.9 with where its cells lie; split, batched equals alone exactly)
         ctx = lib.llama_init_from_model(model, cparams)

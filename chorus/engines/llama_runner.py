@@ -212,7 +212,7 @@ class LlamaRunner:
         loop = asyncio.get_running_loop()
         served: list[LlamaSession] = []  # the sessions given logits by the last batch
         while True:
-            await gather_ready(functools.partial(_answered, served), len(served), self.gather_wait_s)
+            await gather_ready(functools.partial(_answered, served), len(served), self.gather_wait_s, self._wake)
             served = []
             trims: list[tuple[int, int]] = [(s.seq, s.trim_to) for s in self.decoding
                                             if s.trim_to is not None and s.seq is not None]

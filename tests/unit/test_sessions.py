@@ -189,18 +189,20 @@ async def test_gather_ready_waits_for_every_served_sequence_within_its_window() 
     from chorus.engines.base import gather_ready
 
     ready = [False, False, False]
+    wake = asyncio.Event()
 
     async def arrive(i: int, after_s: float) -> None:
         await asyncio.sleep(after_s)
         ready[i] = True
+        wake.set()
 
     loop = asyncio.get_running_loop()
     tasks = [asyncio.create_task(arrive(i, 0.01 * (i + 1))) for i in range(3)]  # each within 10 ms of the last
-    await gather_ready(lambda: sum(ready), 3, window_s=0.05)
+    await gather_ready(lambda: sum(ready), 3, 0.05, wake)
     assert all(ready)  # the window restarted with each arrival
     await asyncio.gather(*tasks)
     ready[:] = [True, False, False]  # two never come: back after a window
     t0 = loop.time()
-    await gather_ready(lambda: sum(ready), 3, window_s=0.05)
-    assert loop.time() - t0 >= 0.05
-    await gather_ready(lambda: 0, 0, window_s=10)  # nothing served: no wait at all
+    await gather_ready(lambda: sum(ready), 3, 0.05, wake)
+    assert loop.time() - t0 >= 0.045
+    await gather_ready(lambda: 0, 0, 10, wake)  # nothing served: no wait at all
