@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -31,6 +32,7 @@ from chorus.clients.local import free_port, wait_ready
 from chorus.engines.spec import ModelSpec
 
 PROMPT = "Write a long story about a dragon who learns to sing."
+_NONCE = itertools.count()
 
 
 @dataclass
@@ -100,9 +102,12 @@ def _in_process(spec: ModelSpec, tokens: int, concurrency: int, rounds: int) -> 
 
 # ---- over HTTP ----
 
-async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: int, extra: dict) -> tuple[float, int]:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, **extra}
+async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: int, extra: dict,
+                       unique: bool = False) -> tuple[float, int]:
+    messages = [{"role": "user", "content": PROMPT}]
+    if unique:  # a system message of its own first: no server can reuse an earlier request's prompt cache
+        messages.insert(0, {"role": "system", "content": f"Session {next(_NONCE)}-{os.getpid()}."})
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True, **extra}
     t0 = time.perf_counter()
     ttft, usage, chunks = None, None, 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -120,11 +125,12 @@ async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: 
     return ttft or 0.0, usage if usage is not None else chunks  # no usage: one token per content chunk
 
 
-def http_load(url: str, model: str, tokens: int, k: int, extra: dict) -> Result:
+def http_load(url: str, model: str, tokens: int, k: int, extra: dict, unique: bool = False) -> Result:
+    """``k`` streams at once; ``unique``: each request's prompt starts with text of its own (prefix caches miss)."""
     async def main() -> Result:
         async with httpx.AsyncClient(timeout=600) as client:
             t0 = time.perf_counter()
-            res = await asyncio.gather(*(_http_stream(client, url, model, tokens, extra) for _ in range(k)))
+            res = await asyncio.gather(*(_http_stream(client, url, model, tokens, extra, unique) for _ in range(k)))
             wall = time.perf_counter() - t0
         total = sum(n for _, n in res)
         return Result(total / wall, [t for t, _ in res], total)

@@ -239,7 +239,8 @@ class Ensemble:
         if sampling({}).logit_bias:
             raise InvalidRequest("'logit_bias' names token ids of one vocabulary; an ensemble's members each have "
                                  "their own: send it to a single model.", param="logit_bias")
-        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe())
+        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
+                    detail=bool(getattr(self.spec, "trace", False)))
         s.precheck(call)
         return call
 

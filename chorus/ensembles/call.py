@@ -123,6 +123,8 @@ class Call:
     ensemble: str = ""  # the named ensemble (metrics)
     usage: Usage = field(default_factory=Usage)
     trace: dict[str, Any] = field(default_factory=dict)
+    #: whether the client asked for the trace: what only the trace shows (per-token agreement) is computed then
+    detail: bool = True
     by_member: dict[str, Usage] = field(default_factory=dict)
     #: every member request made, in order (benchmarks replay them one by one)
     requests: list[tuple[Member, GenerationRequest]] = field(default_factory=list)

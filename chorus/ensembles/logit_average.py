@@ -357,6 +357,9 @@ class LogitAverageStrategy(Strategy):
         reqs = [call.request(m) for m in self.members] if own else [call.request(self.members[0])] * len(self.members)
         prompts = [r.prompt_ids for r in reqs] if self.personas else None
         engine = self.engine(call.on_member_error == "skip", on_drop, prompts)
+        if not call.detail and not isinstance(engine, TopkUnion):
+            # per-token agreement (two softmaxes and a top-k per member and token) only for a trace that shows it
+            engine.tally.agreement = None
         call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,
                            "align": self.params.align})
         if isinstance(engine, TopkUnion):
