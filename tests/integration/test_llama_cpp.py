@@ -119,6 +119,31 @@ async def test_a_long_prompt_is_prefilled_in_chunks(engine: LlamaCppEngine) -> N
         s.close()
 
 
+async def test_a_new_sequence_takes_the_lowest_free_id(engine: LlamaCppEngine) -> None:
+    """llama.cpp computes split-cache sequences together only when their ids follow each other in the batch, so
+    ids are reused lowest first: a, b, c hold 0, 1, 2; b goes; the next sequence gets b's id, and a step of
+    all three is one decode."""
+    assert await released(engine)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    a, b, c = engine.open_session(), engine.open_session(), engine.open_session()
+    d = engine.open_session()
+    try:
+        await asyncio.gather(a.prefill(ids), b.prefill(ids), c.prefill(ids))
+        assert sorted(s.seq for s in (a, b, c) if s.seq is not None) == [0, 1, 2]
+        gone = b.seq
+        b.close()
+        await d.prefill(ids)
+        assert d.seq == gone
+        steps = engine.runner.steps
+        token = engine.tokenizer.encode(" Paris")[0]
+        await asyncio.gather(*(s.step(token) for s in (a, c, d)))
+        assert engine.runner.steps == steps + 1
+    finally:
+        for s in (a, b, c, d):
+            s.close()
+    assert await released(engine)
+
+
 def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
     need_llama_cpp()
     bad = tmp_path / "broken.gguf"
