@@ -240,7 +240,7 @@ class Ensemble:
             raise InvalidRequest("'logit_bias' names token ids of one vocabulary; an ensemble's members each have "
                                  "their own: send it to a single model.", param="logit_bias")
         call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
-                    detail=bool(getattr(self.spec, "trace", False)))
+                    detail=self.spec.trace)
         s.precheck(call)
         return call
 

@@ -105,7 +105,7 @@ class LogitAverage(SessionEngine):
                  space: str = "probability", name: str = "logit_average", labels: list[str] | None = None,
                  skip: bool = False, on_drop: Callable[[str, str], None] | None = None, *, mode: str = "full",
                  lead: int = 0, gate_by: str = "top1", gate: float = 0.5, k: int = 4,
-                 temperature: float = 1.0, prompts: list[list[int]] | None = None) -> None:
+                 temperature: float = 1.0, prompts: list[list[int]] | None = None, per_token: bool = True) -> None:
         if len(members) < 2:
             raise InvalidRequest("logit_average needs at least 2 members.", param="ensemble.members")
         self.labels = labels or [m.name for m in members]
@@ -140,7 +140,7 @@ class LogitAverage(SessionEngine):
         self.mode, self.lead, self.gate_by, self.gate, self.k = mode, lead, gate_by, gate, k
         self.temperature = temperature
         self.prompts = prompts
-        self.tally = EnsembleStats(self.labels, mode)
+        self.tally = EnsembleStats(self.labels, mode, per_token=per_token)
         self.tokenizer = members[0].tokenizer
         self.sampling_defaults = dict(members[0].sampling_defaults)
         self.max_model_len = min(m.max_model_len for m in members)
@@ -293,7 +293,7 @@ class LogitAverageStrategy(Strategy):
                              param="ensemble.lead")
 
     def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None,
-               prompts: list[list[int]] | None = None) -> LogitAverage | TopkUnion:
+               prompts: list[list[int]] | None = None, per_token: bool = True) -> LogitAverage | TopkUnion:
         engines = [m.engine for m in self.members]
         labels = [m.label for m in self.members]
         p = self.params
@@ -303,7 +303,7 @@ class LogitAverageStrategy(Strategy):
         gate = p.gate if p.gate is not None else (1.0 if gate_by == "entropy" else 0.5)
         return LogitAverage(engines, p.weights, p.space, labels=labels, skip=skip, on_drop=on_drop, mode=p.mode,
                             lead=self.lead_index(), gate_by=gate_by, gate=gate, k=p.k or 4,
-                            temperature=p.mixture_temperature, prompts=prompts)
+                            temperature=p.mixture_temperature, prompts=prompts, per_token=per_token)
 
     async def prompt_logprobs(self, call: Call, k: int) -> tuple[list[str], list[TokenLogprob | None]]:
         """The mixture's logprob of each prompt token (shared vocabulary: every member steps the same ids)."""
@@ -356,10 +356,7 @@ class LogitAverageStrategy(Strategy):
         own = self.personas or self.params.align == "topk_union"  # each member renders its own prompt
         reqs = [call.request(m) for m in self.members] if own else [call.request(self.members[0])] * len(self.members)
         prompts = [r.prompt_ids for r in reqs] if self.personas else None
-        engine = self.engine(call.on_member_error == "skip", on_drop, prompts)
-        if not call.detail and not isinstance(engine, TopkUnion):
-            # per-token agreement (two softmaxes and a top-k per member and token) only for a trace that shows it
-            engine.tally.agreement = None
+        engine = self.engine(call.on_member_error == "skip", on_drop, prompts, per_token=call.detail)
         call.trace.update({"weights": engine.weights.tolist(), "space": self.params.space,
                            "align": self.params.align})
         if isinstance(engine, TopkUnion):

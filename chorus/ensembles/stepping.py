@@ -110,13 +110,15 @@ class EnsembleStats:
     rolled_back: list[int] = field(default_factory=list)
     prompted: list[bool] = field(default_factory=list)  # whether the member read its prompt at all
     agreement: TokenAgreement | None = None  # mode full: per-token agreement of the first sequence
+    #: keep the per-token agreement (two softmaxes and a top-k per member and token): only a trace shows it
+    per_token: bool = True
     _claimed: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.labels)
         self.fed, self.catch_up, self.rolled_back = [0] * n, [0] * n, [0] * n
         self.prompted = [self.mode != "selective"] * n
-        if self.mode == "full":
+        if self.mode == "full" and self.per_token:
             self.agreement = TokenAgreement(self.labels)
 
     def claim(self) -> TokenAgreement | None:
