@@ -235,6 +235,15 @@ class Session(Protocol):
 
 
 @runtime_checkable
+class DrivenSession(Session, Protocol):
+    """A session that can run a plain choice (no grammar) by itself: ``drive`` takes the prefill's logits and
+    a `picks.TokenPicker` and yields its `picks.Pick`s, sampling wherever the engine finds it cheapest (the
+    llama.cpp engine: on its decode thread, between decodes), token for token what stepping would give."""
+
+    def drive(self, logits: torch.Tensor, picker: Any) -> AsyncGenerator[Any, None]: ...
+
+
+@runtime_checkable
 class ChoiceScorer(Protocol):
     """A model that scores a prompt's options directly (engines/scorer.py), with no tokens or text."""
 

@@ -24,6 +24,7 @@ from chorus.engines.base import (
     Choice,
     Constraint,
     Delta,
+    DrivenSession,
     Engine,
     Generation,
     GenerationRequest,
@@ -31,14 +32,14 @@ from chorus.engines.base import (
     Session,
     Tokenizer,
     TokenLogprob,
-    TopLogprob,
 )
 from chorus.engines.constraint import Guide, ll_tokenizer
 from chorus.engines.detokenize import TextAssembler
 from chorus.engines.hf_tokenizer import has_tool_turns
+from chorus.engines.picks import TokenPicker, stepped_picks, token_logprob
 from chorus.engines.runtime.metric import Metric
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
-from chorus.engines.sampling import logprob_info, make_generator, sample
+from chorus.engines.sampling import make_generator
 from chorus.engines.scoring import by_prompt_logprobs
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 
@@ -190,6 +191,16 @@ class SessionEngine:
             raise
         except Exception as exc:
             raise EngineFailed(f"{self.name}: prefill failed: {exc}") from exc
+        if len(started) == 1:  # one choice: decoded in the consumer's task (no task and queue between them)
+            session, logits = started[0]
+            try:
+                async for delta in self._choice(0, session, logits, request, max_tokens):
+                    yield delta
+            finally:
+                session.close()
+                if request.trace is not None:
+                    request.trace.update(self.family_trace([session]))
+            return
         tasks = [
             asyncio.create_task(self._run_choice(i, session, logits, request, max_tokens, queue))
             for i, (session, logits) in enumerate(started)
@@ -213,21 +224,33 @@ class SessionEngine:
             if request.trace is not None:
                 request.trace.update(self.family_trace([session for session, _ in started]))
 
+    async def _choice(self, index: int, session: Session, logits: torch.Tensor, request: GenerationRequest,
+                      max_tokens: int) -> AsyncGenerator[Delta, None]:
+        """One choice's deltas; an engine fault (not a request error) becomes this engine's `EngineFailed`."""
+        params = request.params
+        seed = None if params.seed is None else params.seed + index
+        deltas = decode_loop(session, logits, self.tokenizer, params, max_tokens, index, make_generator(seed),
+                             request.extra_stop)
+        try:
+            async for delta in deltas:
+                yield delta
+        except GatewayError:
+            raise
+        except Exception as exc:  # an engine fault ends this request only
+            raise EngineFailed(f"{self.name}: generation failed: {exc}") from exc
+        finally:
+            await deltas.aclose()
+
     async def _run_choice(self, index: int, session: Session, logits: torch.Tensor, request: GenerationRequest,
                           max_tokens: int, queue: asyncio.Queue[Delta | BaseException | None]) -> None:
         try:
-            params = request.params
-            seed = None if params.seed is None else params.seed + index
-            async for delta in decode_loop(session, logits, self.tokenizer, params, max_tokens, index,
-                                           make_generator(seed), request.extra_stop):
+            async for delta in self._choice(index, session, logits, request, max_tokens):
                 queue.put_nowait(delta)
             queue.put_nowait(None)
         except asyncio.CancelledError:
             raise
         except GatewayError as exc:
             queue.put_nowait(exc)
-        except Exception as exc:  # an engine fault ends this request only
-            queue.put_nowait(EngineFailed(f"{self.name}: generation failed: {exc}"))
         finally:
             session.close()
 
@@ -246,24 +269,6 @@ async def collect(deltas: AsyncGenerator[Delta, None], logprobs: bool) -> list[C
     return choices
 
 
-def token_logprob(tokenizer: Tokenizer, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    lp, top = logprob_info(logits, token, k)
-    return TokenLogprob(
-        token=tokenizer.decode([token]), token_id=token, logprob=lp,
-        top=[TopLogprob(tokenizer.decode([i]), v) for i, v in top],
-    )
-
-
-def biases(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor | None:
-    """``logit_bias`` as a vector over the logits (None without one); ids were checked by `encode_prompt`."""
-    if not params.logit_bias:
-        return None
-    bias = torch.zeros(logits.shape[-1])
-    for token, value in params.logit_bias:
-        bias[token] = value
-    return bias
-
-
 async def open_guide(constraint: Constraint | None, tokenizer: Tokenizer) -> Guide | None:
     """A row's grammar matcher (None without a constraint). The first one on a tokenizer builds llguidance's
     view of the vocabulary (seconds on a 262k vocabulary): off the event loop."""
@@ -278,33 +283,28 @@ async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokeniz
                       extra_stop: tuple[str, ...] = ()) -> AsyncGenerator[Delta, None]:
     """Sample up to ``max_tokens`` tokens from a prefilled session, yielding text deltas.
 
-    The last delta carries the finish reason: ``stop`` (EOS or a stop string) or ``length``.
+    The tokens come from a `TokenPicker` (picks.py), through the session's own driver when it has one
+    (`DrivenSession`: the llama.cpp engine samples on its decode thread) and `stepped_picks` otherwise; this
+    half turns them into text, holding back what may be a stop string. The last delta carries the finish
+    reason: ``stop`` (EOS, a stop string, a complete grammar) or ``length``.
     """
     assembler = TextAssembler(tokenizer.decode, tuple(params.stop) + tuple(extra_stop))
-    counts: dict[int, int] = {}
     guide = await open_guide(params.constraint, tokenizer)
-    bias = biases(params, logits)
-    for produced in range(1, max_tokens + 1):
-        if bias is not None:
-            logits = logits.float() + bias
-        if guide is not None:  # logprobs below: of the masked distribution the token is drawn from
-            # the first mask of a grammar can take seconds (README, measured): off the event loop; later ones
-            # take ~0.2 ms, inline, so the batch's rows submit their next tokens within the same step
-            logits = guide.mask(logits) if produced > 1 else await asyncio.to_thread(guide.mask, logits)
-        token = sample(logits, params, generator, counts)
-        counts[token] = counts.get(token, 0) + 1
-        lps = [token_logprob(tokenizer, logits, token, params.top_logprobs)] if params.logprobs else []
-        if token in tokenizer.eos_token_ids and not (params.ignore_eos and guide is None):
-            yield Delta(index, assembler.flush(), [token], lps, "stop")
-            return
-        if guide is not None:
-            guide.accept(token)
-        text = assembler.push(token)
-        if assembler.stopped or (guide is not None and guide.stopped):  # complete: nothing may follow
-            yield Delta(index, text + assembler.flush(), [token], lps, "stop")
-            return
-        if produced == max_tokens:
-            yield Delta(index, text + assembler.flush(), [token], lps, "length")
-            return
-        yield Delta(index, text, [token], lps)
-        logits = await session.step(token)
+    picker = TokenPicker(tokenizer, params, generator, max_tokens, guide)
+    picks = (session.drive(logits, picker) if guide is None and isinstance(session, DrivenSession)
+             else stepped_picks(session, logits, picker))
+    try:
+        async for pick in picks:
+            if pick.eos:
+                yield Delta(index, assembler.flush(), [pick.token], pick.logprobs, "stop")
+                return
+            text = assembler.push(pick.token)
+            if assembler.stopped:  # a stop string: nothing may follow
+                yield Delta(index, text + assembler.flush(), [pick.token], pick.logprobs, "stop")
+                return
+            if pick.final:
+                yield Delta(index, text + assembler.flush(), [pick.token], pick.logprobs, pick.final)
+                return
+            yield Delta(index, text, [pick.token], pick.logprobs)
+    finally:
+        await picks.aclose()

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -16,7 +17,11 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
+from chorus.engines.base import Choice, DrivenSession, GenerationRequest, SamplingParams
+from chorus.engines.generation import collect, decode_loop
 from chorus.engines.llama_cpp_engine import LlamaCppEngine
+from chorus.engines.llama_runner import LlamaSession
+from chorus.engines.sampling import make_generator
 from chorus.engines.spec import ModelSpec
 from chorus.errors import ConfigError
 from tests.helpers import SMOL, LiveServer, gateway, require
@@ -142,6 +147,69 @@ async def test_a_new_sequence_takes_the_lowest_free_id(engine: LlamaCppEngine) -
         for s in (a, b, c, d):
             s.close()
     assert await released(engine)
+
+
+class Stepped:
+    """A llama.cpp session seen only through the plain Session protocol (no ``drive``): decode_loop steps it."""
+
+    def __init__(self, session: LlamaSession) -> None:
+        self.s = session
+
+    @property
+    def length(self) -> int:
+        return self.s.length
+
+    async def prefill(self, ids: list[int]) -> torch.Tensor:
+        return await self.s.prefill(ids)
+
+    async def step(self, token: int) -> torch.Tensor:
+        return await self.s.step(token)
+
+    def close(self) -> None:
+        self.s.close()
+
+
+async def choose(engine: LlamaCppEngine, prompt: str, params: SamplingParams, driven: bool) -> Choice:
+    s = engine.open_session()
+    session = s if driven else Stepped(s)
+    try:
+        assert isinstance(session, DrivenSession) == driven
+        logits = await session.prefill(engine.tokenizer.encode(prompt))
+        return (await collect(decode_loop(session, logits, engine.tokenizer, params, 20, 0, make_generator(7)),
+                              True))[0]
+    finally:
+        s.close()
+
+
+async def test_a_driven_choice_equals_a_stepped_one(engine: LlamaCppEngine) -> None:
+    """Sampled on the decode thread (driven) or on the event loop (stepped): the same sampler on the same logits,
+    so the same tokens, logprobs and finish reason; three driven choices at once as well, and all cells freed."""
+    bias = ((engine.tokenizer.encode(" the")[0], -5.0),)
+    for params in (SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+                   SamplingParams(temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=3,
+                                  frequency_penalty=0.5, logit_bias=bias)):
+        stepped = [await choose(engine, p, params, driven=False) for p in PROMPTS]
+        driven = await asyncio.gather(*(choose(engine, p, params, driven=True) for p in PROMPTS))
+        for a, b in zip(stepped, driven):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert [lp.logprob for lp in a.logprobs or []] == pytest.approx([lp.logprob for lp in b.logprobs or []],
+                                                                           abs=1e-5)
+    assert await released(engine)
+
+
+async def test_a_driven_choice_stops_at_a_stop_string_and_on_close(engine: LlamaCppEngine) -> None:
+    """A stop string ends a driven choice (the decode thread may have run a token ahead: it is dropped), and a
+    consumer that goes away mid-stream (a client disconnect) frees the sequence."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    free = (await choose(engine, PROMPTS[2], params, driven=True)).text
+    stop = free.split()[3]
+    cut = await choose(engine, PROMPTS[2], replace(params, stop=(stop,)), driven=True)
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+    request = GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), params)
+    stream = engine.stream(request)
+    got = [await anext(stream) for _ in range(3)]
+    await stream.aclose()
+    assert len(got) == 3 and await released(engine)
 
 
 def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
