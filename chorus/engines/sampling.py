@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from chorus.engines.base import SamplingParams
@@ -42,13 +43,48 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
+def kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens `filter_logits` keeps (most likely first) and their probabilities, which sum to 1, mostly
+    without sorting the vocabulary: the top 64, then 512 (``torch.topk``) when they hold ``top_p`` of the mass,
+    else one sort (numpy's: ``torch.sort`` of a 49k vocabulary takes about 4 ms on a CPU core, numpy's argsort
+    0.7, the top 64 0.1; a draw over the vocabulary with ``torch.multinomial`` over 1 ms; a llama.cpp decode of
+    the 135M model 6 to 8: measured)."""
+    x = logits / params.temperature
+    vocab = x.shape[-1]
+    if params.top_k and 0 < params.top_k < vocab:
+        vals, ids = torch.topk(x, params.top_k)
+        log_z = torch.logsumexp(vals, -1)
+    elif params.top_p >= 1.0:
+        return torch.arange(vocab), torch.softmax(x, -1)
+    else:
+        log_z = torch.logsumexp(x, -1)
+        for k in (64, 512, vocab):
+            if k < vocab:
+                vals, ids = torch.topk(x, k)
+                if float(torch.exp(vals - log_z).sum()) >= params.top_p:
+                    break
+            else:
+                ids = torch.from_numpy(np.argsort(-x.numpy()))
+                vals = x[ids]
+    probs = torch.exp(vals - log_z)
+    if params.top_p < 1.0:
+        keep = probs.cumsum(-1) - probs < params.top_p  # the token that crosses top_p stays
+        vals, ids, probs = vals[keep], ids[keep], probs[keep]
+    return ids, probs / probs.sum()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            counts: dict[int, int] | None = None) -> int:
+    """Penalties, then the argmax (greedy) or one seeded draw from the tokens `kept` (inverse CDF: one uniform
+    number from the generator)."""
     logits = apply_penalties(logits.float(), counts or {}, params)
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    ids, probs = kept(logits, params)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    i = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(ids) - 1)
+    return int(ids[i])
 
 
 def sample_from_probs(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

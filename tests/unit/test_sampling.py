@@ -1,7 +1,7 @@
 import torch
 
 from chorus.engines.base import SamplingParams
-from chorus.engines.sampling import apply_penalties, filter_logits, logprob_info, make_generator, sample
+from chorus.engines.sampling import apply_penalties, filter_logits, kept, logprob_info, make_generator, sample
 
 logits = torch.tensor([1.0, 3.0, 2.0, 0.5, -1.0])
 
@@ -49,3 +49,29 @@ def test_logprobs_are_of_the_model_distribution() -> None:
     ref = torch.log_softmax(logits, -1)
     assert abs(lp - float(ref[2])) < 1e-6
     assert [i for i, _ in top] == [1, 2]
+
+
+def test_kept_is_the_filtered_support_with_its_probabilities() -> None:
+    """`kept` (top 64 / 512 by topk, else one sort) keeps exactly what `filter_logits` keeps, with the softmax of
+    the filtered logits as probabilities, for a peaked and a flat distribution over a 49k vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (8.0, 1.0):  # a real model's peaked next-token distribution; a flat one (thousands kept)
+        x = torch.randn(49152, generator=g) * scale
+        for params in (SamplingParams(top_p=0.9), SamplingParams(temperature=0.2, top_p=0.9),
+                       SamplingParams(temperature=0.7, top_k=40, top_p=0.95), SamplingParams(top_p=0.5),
+                       SamplingParams(temperature=1.3)):
+            ids, probs = kept(x, params)
+            f = filter_logits(x, params)
+            assert set(ids.tolist()) == set(torch.nonzero(f > float("-inf")).flatten().tolist())
+            ref = torch.softmax(f, -1)[ids]
+            assert torch.allclose(probs, ref, atol=1e-6) and abs(float(probs.sum()) - 1) < 1e-5
+
+
+def test_draws_follow_the_kept_probabilities() -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    ids, probs = kept(logits, params)
+    n = 20000
+    counts = torch.bincount(torch.tensor(draws(params, 5, n)), minlength=5).double() / n
+    expected = torch.zeros(5, dtype=torch.float64)
+    expected[ids] = probs.double()
+    assert torch.allclose(counts, expected, atol=0.015)
