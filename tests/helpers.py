@@ -4,6 +4,7 @@ waiting for a condition, and finding or requiring prepared models."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -94,6 +95,16 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> bool:  # 
             return True
         time.sleep(interval)
     return pred()
+
+
+async def drained(engine) -> bool:  # type: ignore[no-untyped-def]
+    """A batching engine with no session open and no row left (within 5 s): a closed session's row leaves the
+    batch at the scheduler's next iteration, a moment after the request that closed it has returned."""
+    for _ in range(500):
+        if engine.active_sessions == 0 and not engine.runner.rows:
+            return True
+        await asyncio.sleep(0.01)
+    return False
 
 
 def require(ok: bool, reason: str) -> None:

@@ -125,8 +125,31 @@ async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: 
     return ttft or 0.0, usage if usage is not None else chunks  # no usage: one token per content chunk
 
 
+def settle(quiet: float = 0.1, timeout: float = 5.0) -> None:
+    """Wait until the machine is idle: two 0.1 s windows in a row with the CPUs less than ``quiet`` busy (at most
+    ``timeout`` seconds; one second where /proc/stat is not there). A server may still be working after its
+    last response: llama-server saves the finished prompt's KV cells to its prompt cache, which took CPU from
+    whichever server was measured next (its first token came 0.15 s later, measured)."""
+    def busy() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # all but idle and iowait; all
+
+    if not Path("/proc/stat").exists():
+        time.sleep(1.0)
+        return
+    end = time.monotonic() + timeout
+    calm = 0
+    while calm < 2 and time.monotonic() < end:
+        b0, t0 = busy()
+        time.sleep(0.1)
+        b1, t1 = busy()
+        calm = calm + 1 if (b1 - b0) < quiet * max(t1 - t0, 1) else 0
+
+
 def http_load(url: str, model: str, tokens: int, k: int, extra: dict, unique: bool = False) -> Result:
-    """``k`` streams at once; ``unique``: each request's prompt starts with text of its own (prefix caches miss)."""
+    """``k`` streams at once, started on an idle machine (`settle`); ``unique``: each request's prompt starts
+    with text of its own (prefix caches miss)."""
+    settle()
     async def main() -> Result:
         async with httpx.AsyncClient(timeout=600) as client:
             t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """`chorus bench llama`: chorus's llama.cpp engine against the servers a CPU user would pick, in one table.
 
 One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request, each cell the best of ``--rounds``
-rounds (rounds alternate between the servers, all up at once; an idle server uses no CPU). Streaming SSE
+rounds (rounds alternate between the servers, all up at once, each round in another order; each measurement
+starts once the machine is idle, `engine.settle`). Streaming SSE
 clients, 1 / 4 / 8 / 16 at once (``--streams``): aggregate tokens/s and time to first token. Every request
 opens with a system message of its own: llama-server and llama_cpp.server keep a repeated prompt's KV cells
 and skip its prefill (chorus does not cache prompts), which with one fixed prompt made their TTFT 0.03 s
@@ -98,12 +99,12 @@ def main(args: argparse.Namespace) -> int:
                     ready.append(srv)
                 except Exception as exc:
                     print(f"{srv.label} failed: {exc}\n{srv.log.read_text()[-1500:]}", file=sys.stderr)
-            for _ in range(args.rounds):
+            chorus = ready[0] if ready and ready[0].label.endswith("llama_cpp") else None
+            for rnd in range(args.rounds):
                 for k in args.streams:
-                    for srv in ready:
+                    for srv in ready[rnd % len(ready):] + ready[:rnd % len(ready)]:  # each round another order
                         results.setdefault((srv.label, k), []).append(
                             http_load(srv.url, srv.model, args.tokens, k, srv.extra, unique=True))
-                chorus = ready[0] if ready and ready[0].label.endswith("llama_cpp") else None
                 if chorus is not None:
                     r = http_load(chorus.url, "llama-avg", args.tokens, 1, chorus.extra, unique=True)
                     # an ensemble's usage counts every member's tokens; the rate that compares is the answer's

@@ -10,6 +10,7 @@ import torch
 from chorus.engines.base import GenerationRequest, SamplingParams
 from chorus.engines.batching import BatchRunner
 from chorus.engines.transformers_engine import TransformersEngine
+from tests.helpers import drained
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +71,7 @@ async def test_concurrent_requests_batch_and_match_sequential(smol_engine: Trans
     assert [g.choices[0].token_ids for g in results] == sequential
     # shared steps: far fewer forward passes than the sum of all tokens
     assert smol_engine.runner.steps - steps0 < sum(len(s) for s in sequential)
-    assert smol_engine.active_sessions == 0 and smol_engine.runner.rows == []
+    assert await drained(smol_engine)
 
 
 async def test_simultaneous_prompts_prefill_together_and_match_sequential(smol_engine: TransformersEngine) -> None:

@@ -8,6 +8,7 @@ import torch
 from chorus.engines.base import GenerationRequest, SamplingParams
 from chorus.engines.transformers_engine import TransformersEngine
 from chorus.ensembles.logit_average import LogitAverage
+from tests.helpers import drained
 
 PERSONAS = ("You are a careful teacher. Explain step by step.", "You are a pirate. Answer like one, briefly.")
 QUESTION = "Why is the sky blue?"
@@ -55,8 +56,7 @@ async def test_speculative_prompt_ensemble_equals_full(smol_engine: Transformers
     alone = [await smol_engine.generate(GenerationRequest(p, SamplingParams(temperature=0, max_tokens=40)))
              for p in prompts]
     assert full.choices[0].token_ids not in [g.choices[0].token_ids for g in alone]  # a real mixture
-    assert smol_engine.active_sessions == 0
-    assert smol_engine.runner.mask is None or smol_engine.runner.mask.shape[0] == 0 or not smol_engine.runner.rows
+    assert await drained(smol_engine)
 
 
 async def test_selective_at_a_gate_that_always_fires_equals_full(smol_engine: TransformersEngine) -> None:
