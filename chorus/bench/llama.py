@@ -1,7 +1,7 @@
 """`chorus bench llama`: chorus's llama.cpp engine against the servers a CPU user would pick, in one table.
 
-One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request, each cell the best of ``--rounds``
-rounds (rounds alternate between the servers, all up at once, each round in another order; each measurement
+One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request, each cell the best and the median of
+``--rounds`` rounds, and the ratio to the peer round by round (geometric mean, 95% interval) (rounds alternate between the servers, all up at once, each round in another order; each measurement
 starts once the machine is idle, `engine.settle`). Streaming SSE
 clients, 1 / 4 / 8 / 16 at once (``--streams``): aggregate tokens/s and time to first token. Every request
 opens with a system message of its own: llama-server and llama_cpp.server keep a repeated prompt's KV cells
@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
                    "max_batch_size": max(args.streams), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(f"chorus bench llama: {gguf.name}, {args.threads} threads, {args.tokens} tokens per request, greedy, "
-          f"best of {args.rounds} rounds", flush=True)
+          f"best and median of {args.rounds} rounds", flush=True)
     results: dict[tuple[str, int], list[Result]] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -114,20 +114,40 @@ def main(args: argparse.Namespace) -> int:
         finally:
             stop_servers(servers)
     best = {key: max(v, key=lambda r: r.tok_s) for key, v in results.items()}
+    median = {key: statistics.median(r.tok_s for r in v) for key, v in results.items()}
     peer = next((s.label for s in ready if s.label.startswith("llama-server")),
                 next((s.label for s in ready if s.label.startswith("llama_cpp.server")), None))
     print()
-    print("| server | streams | tokens/s | vs " + (peer or "-") + " | TTFT p50 (s) | TTFT max (s) | tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| server | streams | tokens/s best | median | vs {peer or '-'}: best | paired rounds: geometric mean "
+          f"[95% CI], n={args.rounds} | TTFT p50 (s) | TTFT max (s) | tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (label, k), r in best.items():
-        ref = best.get((peer, k)) if peer else None
-        ratio = f"{r.tok_s / ref.tok_s:.2f}x" if ref else "-"
+        ref = (peer, k) if peer and (peer, k) in best else None
         if label.startswith("logit_average"):
-            one = best.get((ready[0].label, 1))
-            ratio = f"{r.tok_s / one.tok_s:.2f}x vs one member" if one else "-"
+            ref = (ready[0].label, 1) if (ready[0].label, 1) in best else None
+        ratio = paired = "-"
+        if ref is not None:
+            vs = " vs one member" if label.startswith("logit_average") else ""
+            ratio = f"{r.tok_s / best[ref].tok_s:.2f}x{vs}"
+            paired = paired_ratio([x.tok_s for x in results[label, k]], [x.tok_s for x in results[ref]])
         t = r.ttfts
-        print(f"| {label} | {k} | {r.tok_s:.1f} | {ratio} | {statistics.median(t):.2f} | {max(t):.2f} | {r.tokens} |")
+        print(f"| {label} | {k} | {r.tok_s:.1f} | {median[label, k]:.1f} | {ratio} | {paired} "
+              f"| {statistics.median(t):.2f} | {max(t):.2f} | {r.tokens} |")
     return 0
+
+
+def paired_ratio(a: list[float], b: list[float]) -> str:
+    """Round by round ``a / b`` (each round measures both within a minute, so the machine's slow drifts cancel):
+    the geometric mean and a t interval on the log ratios."""
+    import numpy as np
+    from scipy import stats
+
+    logs = np.log(np.array(a) / np.array(b))
+    if len(logs) < 2:
+        return f"{np.exp(logs.mean()):.2f}x"
+    half = float(stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs)))
+    m = float(logs.mean())
+    return f"{np.exp(m):.2f}x [{np.exp(m - half):.2f}, {np.exp(m + half):.2f}]"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -78,8 +78,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Penalties, then the argmax (greedy) or one seeded draw from the tokens `kept` (inverse CDF: one uniform
     number from the generator)."""
     logits = apply_penalties(logits.float(), counts or {}, params)
-    if params.greedy:
-        return int(torch.argmax(logits))
+    if params.greedy:  # numpy's argmax: the same first maximum, 4 us against torch's 57 on a 49k row (measured)
+        return int(logits.numpy().argmax()) if logits.device.type == "cpu" else int(torch.argmax(logits))
     ids, probs = kept(logits, params)
     u = torch.rand((), generator=generator, dtype=torch.float64)
     cdf = probs.double().cumsum(-1)

@@ -13,3 +13,14 @@ def test_load_bench_runs_clean() -> None:
     assert "invalid: 400 invalid_json" in out or "invalid: 400 invalid_value" in out
     assert "transport error" not in out and "failed stream" not in out and "error: 5" not in out
     assert out.rstrip().endswith("sessions open after the run: 0")
+
+
+def test_the_llama_bench_compares_round_by_round() -> None:
+    """`chorus bench llama` reports a server against its peer as the geometric mean of each round's ratio with a
+    t interval: equal ratios give a zero-width interval; one round, no interval."""
+    from chorus.bench.llama import paired_ratio
+
+    assert paired_ratio([200.0, 100.0, 50.0], [100.0, 50.0, 25.0]) == "2.00x [2.00, 2.00]"
+    mean, low, high = (float(v.strip("x[],")) for v in paired_ratio([100.0, 110.0, 90.0], [105.0, 100.0, 100.0]).split())
+    assert low < mean < high and abs(mean - ((100 / 105) * 1.1 * 0.9) ** (1 / 3)) < 0.01
+    assert paired_ratio([90.0], [100.0]) == "0.90x"
