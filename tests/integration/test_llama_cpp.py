@@ -197,6 +197,19 @@ async def test_a_driven_choice_equals_a_stepped_one(engine: LlamaCppEngine) -> N
     assert await released(engine)
 
 
+async def test_driven_and_stepped_sequences_share_a_batch(engine: LlamaCppEngine) -> None:
+    """A driven choice and sequences stepped from the event loop (an ensemble member's, say) in one batch: the
+    decode thread samples the driven one and hands the batch back for the others; each gets what it gets alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    alone = (await choose(engine, PROMPTS[0], params, driven=True)).token_ids
+    stepped_alone = [await greedy(engine, p, 20) for p in PROMPTS[1:]]
+    both = await asyncio.gather(choose(engine, PROMPTS[0], params, driven=True),
+                                *(greedy(engine, p, 20) for p in PROMPTS[1:]))
+    assert both[0].token_ids == alone
+    assert [tokens for tokens, _ in both[1:]] == [tokens for tokens, _ in stepped_alone]
+    assert await released(engine)
+
+
 async def test_a_driven_choice_stops_at_a_stop_string_and_on_close(engine: LlamaCppEngine) -> None:
     """A stop string ends a driven choice (the decode thread may have run a token ahead: it is dropped), and a
     consumer that goes away mid-stream (a client disconnect) frees the sequence."""
