@@ -78,9 +78,10 @@ def main(args: argparse.Namespace) -> int:
     base = config.model(args.model)
     gguf = resolve_gguf(base, chorus_home())
     tf_model = base.model_dump(exclude_none=True)
+    # max_batch_size: at least the two sequences of the two-member ensemble (with one, it waited for itself)
     llama_model = {"name": f"{base.name}-llama", "engine": "llama_cpp",
                    **({"source": base.source} if base.source else {"path": str(gguf)}),
-                   "max_batch_size": max(args.streams), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
+                   "max_batch_size": max(*args.streams, 2), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(f"chorus bench llama: {gguf.name}, {args.threads} threads, {args.tokens} tokens per request, greedy, "
           f"best and median of {args.rounds} rounds", flush=True)

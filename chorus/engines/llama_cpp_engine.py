@@ -19,15 +19,18 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from chorus.engines.base import TokenLogprob
+import torch
+
+from chorus.engines.base import Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, token_logprob
 from chorus.engines.hf_tokenizer import HFTokenizer
 from chorus.engines.llama_runner import LlamaRunner, LlamaSession
 from chorus.engines.spec import ModelSpec, chorus_home
-from chorus.errors import ConfigError, EngineUnavailable
+from chorus.errors import ConfigError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.engine")
 OPTIONS = {"n_ctx", "n_batch", "threads", "threads_batch"}
@@ -161,6 +164,14 @@ class LlamaCppEngine(SessionEngine):
     def stats(self) -> dict[str, int]:
         return {"active_sessions": self.active_sessions, "decode_steps": self.runner.steps,
                 "free_sequences": len(self.runner.free_seqs)}
+
+    async def prefill_sessions(self, prompt_ids: list[int], n: int,
+                               options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
+        """``n`` sequences of one prompt; more than the context's sequences (``max_batch_size``) could never be
+        held at once (the request would wait for itself), so that is a 400, as on the transformers engine."""
+        if n > self.spec.max_batch_size:
+            raise InvalidRequest(f"n={n} exceeds the engine's batch size {self.spec.max_batch_size}", param="n")
+        return await super().prefill_sessions(prompt_ids, n, options)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """The whole prompt in one session: its first token, then the rest as one extend (every token's

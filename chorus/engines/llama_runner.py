@@ -180,8 +180,9 @@ class LlamaSession:
 
 
 def _answered(sessions: list[LlamaSession]) -> int:
-    """How many of ``sessions`` have submitted their next work (or closed)."""
-    return sum(1 for s in sessions if s.closed or s.waits())
+    """How many of ``sessions`` have submitted their next work, are driven (their next token is there), or
+    closed."""
+    return sum(1 for s in sessions if s.closed or s.waits() or s.driving is not None)
 
 
 def _deliver(picks: Sent) -> None:

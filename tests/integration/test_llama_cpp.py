@@ -23,7 +23,7 @@ from chorus.engines.llama_cpp_engine import LlamaCppEngine
 from chorus.engines.llama_runner import LlamaSession
 from chorus.engines.sampling import make_generator
 from chorus.engines.spec import ModelSpec
-from chorus.errors import ConfigError
+from chorus.errors import ConfigError, InvalidRequest
 from tests.helpers import SMOL, LiveServer, gateway, require
 
 LLAMA = "smollm2-llama"
@@ -223,6 +223,13 @@ async def test_a_driven_choice_stops_at_a_stop_string_and_on_close(engine: Llama
     got = [await anext(stream) for _ in range(3)]
     await stream.aclose()
     assert len(got) == 3 and await released(engine)
+
+
+async def test_more_choices_than_sequences_is_a_400(engine: LlamaCppEngine) -> None:
+    """n above max_batch_size could never be held at once (the request would wait for its own sequences)."""
+    with pytest.raises(InvalidRequest, match="n=9 exceeds"):
+        await engine.prefill_sessions(engine.tokenizer.encode(PROMPTS[0]), SPEC.max_batch_size + 1)
+    assert await released(engine)
 
 
 def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
