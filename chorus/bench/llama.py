@@ -1,11 +1,11 @@
 """`chorus bench llama`: chorus's llama.cpp engine against the servers a CPU user would pick, in one table.
 
-One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request, each cell the best and the median of
-``--rounds`` rounds, and the ratio to the peer round by round (geometric mean, 95% interval) (rounds alternate between the servers, all up at once, each round in another order; each measurement
-starts once the machine is idle, `engine.settle`). Streaming SSE
-clients, 1 / 4 / 8 / 16 at once (``--streams``): aggregate tokens/s and time to first token. Every request
-opens with a system message of its own: llama-server and llama_cpp.server keep a repeated prompt's KV cells
-and skip its prefill (chorus does not cache prompts), which with one fixed prompt made their TTFT 0.03 s
+One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request. Rounds alternate between the servers
+(all up at once, each round in another order; each measurement starts once the machine is idle,
+`engine.settle`); each cell gives the best and the median of ``--rounds`` rounds and the ratio to the peer round
+by round (geometric mean, 95% interval). Streaming SSE clients, 1 / 4 / 8 / 16 at once (``--streams``):
+aggregate tokens/s and time to first token. Every request opens with a system message of its own: llama-server
+and llama_cpp.server keep a repeated prompt's KV cells and skip its prefill (chorus does not cache prompts), which with one fixed prompt made their TTFT 0.03 s
 against chorus's 0.13 s (a 42-token prefill of this model takes about 100 ms on 2 cores in all three).
 
 Servers:

@@ -361,14 +361,15 @@ class LlamaRunner:
     def _run(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], int]:
         """On the decode thread: decode the planned feeds and sample the driven ones; then, while every sequence
         in the batch is driven and the event loop has nothing new, decode their tokens again, and again. Returns
-        the first decode's logits rows (each feed's) and how many decodes ran."""
-        out = self._decode(feeds)
+        the first decode's logits rows (each planned feed's: the event loop settles the plan from them) and how
+        many decodes ran."""
+        first = out = self._decode(feeds)
         decodes = 1
         while True:
             feeds, picks = self._pick(feeds, out)
             if not feeds or self._interrupt.is_set():
                 self._send(picks)
-                return out if decodes == 1 else [], decodes
+                return first, decodes
             out = self._decode(feeds, picks)
             decodes += 1
 
@@ -407,8 +408,7 @@ class LlamaRunner:
         if picks and self._loop_ref is not None:
             self._loop_ref.call_soon_threadsafe(_deliver, picks)
 
-    def _decode(self, feeds: list[Feed], picks: Sent | None = None
-                ) -> list[torch.Tensor]:
+    def _decode(self, feeds: list[Feed], picks: Sent | None = None) -> list[torch.Tensor]:
         """On the decode thread: one llama_decode of the planned tokens; each feed's logits rows. It reads only
         the feeds (taken on the event loop), never a session, which a client going away may close meanwhile.
         ``picks``: the previous decode's, sent to the event loop once the batch is set up."""

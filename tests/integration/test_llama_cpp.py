@@ -21,6 +21,7 @@ from chorus.engines.base import Choice, DrivenSession, GenerationRequest, Sampli
 from chorus.engines.generation import collect, decode_loop
 from chorus.engines.llama_cpp_engine import LlamaCppEngine
 from chorus.engines.llama_runner import LlamaSession
+from chorus.engines.picks import TokenPicker
 from chorus.engines.sampling import make_generator
 from chorus.engines.spec import ModelSpec
 from chorus.errors import ConfigError, InvalidRequest
@@ -223,6 +224,25 @@ async def test_a_driven_choice_stops_at_a_stop_string_and_on_close(engine: Llama
     got = [await anext(stream) for _ in range(3)]
     await stream.aclose()
     assert len(got) == 3 and await released(engine)
+
+
+async def test_a_driven_session_knows_its_length(engine: LlamaCppEngine) -> None:
+    """Tokens the decode thread fed by itself count in the session's length once the run is back: every token
+    but the last (a final pick is not fed)."""
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    s = engine.open_session()
+    try:
+        logits = await s.prefill(ids)
+        picker = TokenPicker(engine.tokenizer, SamplingParams(temperature=0.0, ignore_eos=True), make_generator(0), 12)
+        assert len([p async for p in s.drive(logits, picker)]) == 12
+        for _ in range(100):
+            if s.length == len(ids) + 11:
+                break
+            await asyncio.sleep(0.01)
+        assert s.length == len(ids) + 11
+    finally:
+        s.close()
+    assert await released(engine)
 
 
 async def test_more_choices_than_sequences_is_a_400(engine: LlamaCppEngine) -> None:
