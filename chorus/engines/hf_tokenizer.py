@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,16 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(eos)
         self._fingerprint: str | None = None
         self._template = self._compiled_template()
+        self._fast_decode = self._backend_decode()
+
+    def _backend_decode(self) -> Any:
+        """The Rust tokenizer's own decode when transformers' would only wrap it (a fast tokenizer, no clean-up of
+        spaces): the same text at a fifth of the cost, which the stream pays twice a token. None: use ``decode``
+        of transformers."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", True):
+            return None
+        return functools.partial(backend.decode, skip_special_tokens=True)
 
     def _compiled_template(self) -> Any:
         """The chat template compiled once, rendered with what ``apply_chat_template`` passes (the special
@@ -92,6 +103,8 @@ class HFTokenizer:
         return self.hf.batch_decode([[i] for i in range(self.vocab_size)], skip_special_tokens=True)
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._fast_decode is not None:
+            return str(self._fast_decode(list(ids)))
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:

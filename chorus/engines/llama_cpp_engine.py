@@ -9,8 +9,10 @@ engine on the same file and the two can be mixed in token-level ensembles.
 
 Options (the model's ``llama_cpp:`` map): ``n_ctx`` (llama.cpp's KV cells, split evenly over the
 ``max_batch_size`` sequences; default ``max_model_len`` x ``max_batch_size``), ``n_batch`` (tokens per decode,
-default 512, also the prefill chunk), ``threads`` (default: the machine's cores). ``max_model_len`` bounds one
-sequence (default: the model's training context, capped at 4096; at most ``n_ctx / max_batch_size``).
+default 512, also the prefill chunk), ``threads`` (default: the machine's cores) and ``threads_batch`` (for
+prompts; default ``threads``), ``poll`` (0 to 100, default 50: how long the pool's threads spin for the next
+decode before they sleep, `llama_threads`). ``max_model_len`` bounds one sequence (default: the model's
+training context, capped at 4096; at most ``n_ctx / max_batch_size``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from chorus.engines.base import Session, TokenLogprob
 from chorus.engines.generation import SessionEngine, token_logprob
 from chorus.engines.hf_tokenizer import HFTokenizer
 from chorus.engines.llama_runner import LlamaRunner, LlamaSession
+from chorus.engines.llama_threads import ThreadPools
 from chorus.engines.spec import ModelSpec, chorus_home
 from chorus.errors import ConfigError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.engine")
-OPTIONS = {"n_ctx", "n_batch", "threads", "threads_batch"}
+OPTIONS = {"n_ctx", "n_batch", "threads", "threads_batch", "poll"}
 CONTEXT_CAP = 4096
 _STATE: dict[str, Any] = {}  # the initialised library and its log callback (llama.cpp keeps the pointer)
 
@@ -85,13 +88,14 @@ def tokenizer_for(spec: ModelSpec, gguf: Path) -> HFTokenizer:
 
 
 class LlamaCppEngine(SessionEngine):
-    def __init__(self, spec: ModelSpec, lib: Any, model: Any, ctx: Any, tokenizer: HFTokenizer, *,
-                 max_model_len: int, n_batch: int, n_vocab: int) -> None:
+    def __init__(self, spec: ModelSpec, lib: Any, model: Any, ctx: Any, pools: ThreadPools, tokenizer: HFTokenizer,
+                 *, max_model_len: int, n_batch: int, n_vocab: int) -> None:
         self.name = spec.name
         self.spec = spec
         self.lib = lib
         self.model = model
         self.ctx = ctx
+        self.pools = pools
         self.tokenizer = tokenizer
         self.sampling_defaults = spec.sampling_defaults.model_dump(exclude_none=True)
         self.max_model_len = max_model_len
@@ -104,6 +108,9 @@ class LlamaCppEngine(SessionEngine):
         if bad:
             raise ConfigError(f"model {spec.name!r}: unknown llama_cpp options {sorted(bad)} (known: "
                               f"{', '.join(sorted(OPTIONS))})")
+        poll = spec.llama_cpp.get("poll", 50)
+        if isinstance(poll, bool) or not isinstance(poll, int) or not 0 <= poll <= 100:
+            raise ConfigError(f"model {spec.name!r}: llama_cpp.poll must be an integer from 0 to 100, not {poll!r}")
         lib = _library()
         gguf = gguf_of(spec)
         t0 = time.perf_counter()
@@ -137,12 +144,18 @@ class LlamaCppEngine(SessionEngine):
         if not ctx:
             lib.llama_model_free(model)
             raise ConfigError(f"model {spec.name!r}: llama.cpp cannot create a context for {gguf} (n_ctx {n_ctx})")
+        try:
+            pools = ThreadPools(lib, ctx, threads, threads_batch, poll)
+        except RuntimeError as exc:
+            lib.llama_free(ctx)
+            lib.llama_model_free(model)
+            raise ConfigError(f"model {spec.name!r}: {exc}") from None
         n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
         tokenizer = tokenizer_for(spec, gguf)
         if n_vocab != tokenizer.vocab_size:
             log.warning("%s: llama.cpp has %d tokens, the tokenizer %d", spec.name, n_vocab, tokenizer.vocab_size)
         log.info("loaded %s from %s (llama.cpp, mmap) in %.1fs", spec.name, gguf, time.perf_counter() - t0)
-        return cls(spec, lib, model, ctx, tokenizer, max_model_len=max_model_len, n_batch=n_batch, n_vocab=n_vocab)
+        return cls(spec, lib, model, ctx, pools, tokenizer, max_model_len=max_model_len, n_batch=n_batch, n_vocab=n_vocab)
 
     async def start(self) -> None:
         self.runner.start()
@@ -150,6 +163,7 @@ class LlamaCppEngine(SessionEngine):
     async def aclose(self) -> None:
         await self.runner.stop()
         if self.ctx is not None:
+            self.pools.close()
             self.lib.llama_free(self.ctx)
             self.lib.llama_model_free(self.model)
             self.ctx = self.model = None

@@ -48,16 +48,17 @@ async def chat_events(
         yield {**protocol.chat_chunk(head, None, index=i), **usage_null}
     completion = 0
     held: dict[int, list[Delta]] = {}  # with tools: a choice's deltas until it is known whether it calls
+    tools, logprobs = req.tool_set, req.logprobs  # read once: a pydantic private attribute is slow per token
     try:
         async for d in deltas:
             completion += len(d.token_ids)
-            if req.tool_set is not None:
+            if tools is not None:
                 held.setdefault(d.index, []).append(d)
                 if d.finish_reason:
-                    for chunk in protocol.chat_tool_chunks(head, held.pop(d.index), req.tool_set, req.logprobs):
+                    for chunk in protocol.chat_tool_chunks(head, held.pop(d.index), tools, logprobs):
                         yield {**chunk, **usage_null}
-            elif d.text or d.finish_reason or (req.logprobs and d.logprobs):
-                yield {**protocol.chat_chunk(head, d, logprobs=req.logprobs), **usage_null}
+            elif d.text or d.finish_reason or (logprobs and d.logprobs):
+                yield {**protocol.chat_chunk(head, d, logprobs=logprobs), **usage_null}
     finally:
         await deltas.aclose()  # frees the sessions now, not at GC
         if settle is not None:

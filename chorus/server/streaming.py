@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
+from pydantic_core import to_json
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
@@ -40,33 +40,71 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
 
     deadline = deadline_of(request)
 
-    async def body() -> AsyncGenerator[str | dict[str, str], None]:
+    async def body() -> AsyncGenerator[bytes, None]:
+        timer = _Deadline(deadline)
         try:
             while True:
                 try:
-                    # past the deadline the producer is cancelled (its finally frees the sessions); in this
-                    # task, not a wait_for task: a cancelled body must be able to close the producer
-                    async with asyncio.timeout_at(deadline):
-                        event = await anext(events)
+                    event = await timer.next(events)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
                     raise deadline_error(request) from None
-                data = json.dumps(event, separators=(",", ":"))
-                yield {"event": event["type"], "data": data} if named else data
+                yield _event(to_json(event), event["type"] if named else None)
         except GatewayError as exc:
-            yield json.dumps({"error": exc.to_dict()})
+            yield _event(to_json({"error": exc.to_dict()}))
         except Exception as exc:
             log.exception("stream failed")
-            yield json.dumps({"error": EngineFailed(f"stream failed: {exc}").to_dict()})
+            yield _event(to_json({"error": EngineFailed(f"stream failed: {exc}").to_dict()}))
         finally:
+            timer.close()
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
         if not named:
-            yield "[DONE]"
+            yield b"data: [DONE]\n\n"
 
     return EventSourceResponse(body(), ping=15, sep="\n", headers={"Cache-Control": "no-cache"})
+
+
+class _Deadline:
+    """The request's deadline over a stream: one timer for the whole stream (a timeout around each event cost
+    a timer per token). Past the deadline the producer is cancelled while it is awaited, in this task, not a
+    wait_for task (a cancelled body must be able to close the producer; its finally frees the sessions), or
+    the next wait for it fails at once; either is a `TimeoutError`."""
+
+    def __init__(self, when: float | None) -> None:
+        self.task = asyncio.current_task()
+        self.waiting = self.expired = False
+        self.handle = None if when is None else asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.waiting and self.task is not None:
+            self.task.cancel()
+
+    async def next(self, events: AsyncGenerator[T, None]) -> T:
+        if self.expired:
+            raise TimeoutError
+        self.waiting = True
+        try:
+            return await anext(events)
+        except asyncio.CancelledError:
+            if self.expired and self.task is not None and self.task.uncancel() == 0:
+                raise TimeoutError from None
+            raise
+        finally:
+            self.waiting = False
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+def _event(data: bytes, name: str | None = None) -> bytes:
+    """One SSE event, encoded here (sse-starlette sends bytes as they are): JSON has no raw newline, so one
+    ``data:`` line holds it."""
+    return (b"event: " + name.encode() + b"\ndata: " if name else b"data: ") + data + b"\n\n"
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

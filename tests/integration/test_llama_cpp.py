@@ -266,6 +266,23 @@ def test_options_are_checked() -> None:
         LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"n_thread": 2}}))
     with pytest.raises(ValueError, match="needs exactly one of"):
         ModelSpec(name="x", engine="llama_cpp", path="model.safetensors")
+    with pytest.raises(ConfigError, match="poll must be an integer from 0 to 100"):
+        LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"poll": 101}}))
+
+
+async def test_a_persistent_thread_pool_per_thread_count(engine: LlamaCppEngine) -> None:
+    """The context decodes on ggml thread pools of its own (one when prompts and steps use the same count, two
+    otherwise), and a model with two pools and no polling decodes the same tokens."""
+    assert len(engine.pools.pools) == 1
+    other = LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"threads": 2, "threads_batch": 1, "poll": 0},
+                                                         "max_batch_size": 2}))
+    await other.start()
+    try:
+        assert len(other.pools.pools) == 2
+        assert (await greedy(other, PROMPTS[1]))[0] == (await greedy(engine, PROMPTS[1]))[0]
+    finally:
+        await other.aclose()
+    assert other.pools.pools == [] and other.ctx is None
 
 
 # through the HTTP API ----------------------------------------------------------------------------------------
