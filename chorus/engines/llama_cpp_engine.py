@@ -17,6 +17,7 @@ training context, capped at 4096; at most ``n_ctx / max_batch_size``).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -181,11 +182,21 @@ class LlamaCppEngine(SessionEngine):
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
                                options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
-        """``n`` sequences of one prompt; more than the context's sequences (``max_batch_size``) could never be
-        held at once (the request would wait for itself), so that is a 400, as on the transformers engine."""
+        """``n`` sequences of one prompt, opened together (they take their sequence ids together) and prefilled
+        in the same batches; more than the context's sequences (``max_batch_size``) could never be held at once
+        (the request would wait for itself), so that is a 400, as on the transformers engine."""
         if n > self.spec.max_batch_size:
             raise InvalidRequest(f"n={n} exceeds the engine's batch size {self.spec.max_batch_size}", param="n")
-        return await super().prefill_sessions(prompt_ids, n, options)
+        if n == 1:
+            return await super().prefill_sessions(prompt_ids, n, options)
+        sessions = [self.open_session() for _ in range(n)]
+        try:
+            rows = await asyncio.gather(*(s.prefill(prompt_ids) for s in sessions))
+        except BaseException:
+            for s in sessions:
+                s.close()
+            raise
+        return list(zip(sessions, rows))
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """The whole prompt in one session: its first token, then the rest as one extend (every token's

@@ -107,6 +107,9 @@ class LlamaSession:
         self.closed = False
         self.trim_to: int | None = None  # a rollback to apply before the next batch
         self.driving: Drive | None = None
+        # the task that opened it: the sessions one task holds open without a sequence id take their ids
+        # together (`LlamaRunner._take_ids`)
+        self.owner = asyncio.current_task()
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -203,6 +206,7 @@ class LlamaRunner:
         self.n_vocab = n_vocab
         self.max_model_len = max_model_len
         self.n_batch = n_batch
+        self.max_batch_size = max_batch_size
         self.free_seqs: list[int] = list(range(max_batch_size))  # a heap: the lowest free id is taken first
         self.sessions: set[LlamaSession] = set()
         self.decoding: list[LlamaSession] = []  # prefilled sessions that hold a sequence id
@@ -278,22 +282,24 @@ class LlamaRunner:
             take = w.ids[w.done:w.done + min(MAX_EXTEND, room)]
             plan.append((s, Feed(s.seq, s.length, take, w.all_logits, w.done + len(take) == len(w.ids))))
             room -= len(take)
-        while self.waiting and room > 0:
-            s = self.waiting[0]
+        blocked = False  # a prompt waits for sequence ids: later ones take none (first come, first served)
+        for s in list(self.waiting):
+            if room <= 0:
+                break
             w = s.work
             if w is None or w.future.done() or s.closed:
-                self.waiting.popleft()
+                self.waiting.remove(s)
                 continue
             if s.seq is None:
-                if not self.free_seqs or self.to_free:
-                    break  # every sequence id is taken (or a freed one is not cleared yet): wait
-                s.seq = heapq.heappop(self.free_seqs)
+                blocked = blocked or not self._take_ids(s)
+                if s.seq is None:
+                    continue  # it waits; a prompt whose sequence is already held goes on
             take = w.ids[w.done:w.done + room]
             ends = w.done + len(take) == len(w.ids)
             plan.append((s, Feed(s.seq, s.length, take, w.all_logits, ends)))
             room -= len(take)
             if ends:
-                self.waiting.popleft()
+                self.waiting.remove(s)
             else:
                 break  # a chunk: the rest of this prompt goes in the next batches
         # in sequence-id order: with the cache split per sequence, llama.cpp puts in one micro-batch only
@@ -302,6 +308,24 @@ class LlamaRunner:
         # gaps 98). Hence the order here, and the lowest free id for each new sequence.
         plan.sort(key=lambda entry: entry[1].seq)
         return plan
+
+    def _take_ids(self, s: LlamaSession) -> bool:
+        """Sequence ids for ``s`` and for every other session its task holds open without one (a request's
+        ``n`` choices, an ensemble's members on this model), all at once or none: a request holding some of
+        the sequences it needs while waiting for the rest could wait on others doing the same, for ever."""
+        group = [s, *(g for g in self.sessions if g is not s and g.owner is not None and g.owner is s.owner
+                      and g.seq is None and not g.closed)]
+        if len(group) > self.max_batch_size:
+            assert s.work is not None
+            s.work.future.set_exception(InvalidRequest(
+                f"the request needs {len(group)} sequences of this model at once; it has {self.max_batch_size} "
+                "(max_batch_size)"))
+            return True
+        if self.to_free or len(self.free_seqs) < len(group):
+            return False  # not enough ids (or a freed one is not cleared yet): wait
+        for g in group:
+            g.seq = heapq.heappop(self.free_seqs)
+        return True
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -78,7 +78,7 @@ async def test_alone_equals_in_a_batch(engine: LlamaCppEngine) -> None:
 async def released(engine: LlamaCppEngine) -> bool:
     """Every session closed and every sequence id free again (cells are cleared before the next batch)."""
     for _ in range(100):
-        if engine.active_sessions == 0 and len(engine.runner.free_seqs) == SPEC.max_batch_size:
+        if engine.active_sessions == 0 and len(engine.runner.free_seqs) == engine.spec.max_batch_size:
             return True
         await asyncio.sleep(0.01)
     return False
@@ -132,12 +132,13 @@ async def test_a_new_sequence_takes_the_lowest_free_id(engine: LlamaCppEngine) -
     assert await released(engine)
     ids = engine.tokenizer.encode(PROMPTS[0])
     a, b, c = engine.open_session(), engine.open_session(), engine.open_session()
-    d = engine.open_session()
+    d = None
     try:
         await asyncio.gather(a.prefill(ids), b.prefill(ids), c.prefill(ids))
         assert sorted(s.seq for s in (a, b, c) if s.seq is not None) == [0, 1, 2]
         gone = b.seq
         b.close()
+        d = engine.open_session()  # opened now: one opened with a, b and c would have taken its id with them
         await d.prefill(ids)
         assert d.seq == gone
         steps = engine.runner.steps
@@ -146,7 +147,8 @@ async def test_a_new_sequence_takes_the_lowest_free_id(engine: LlamaCppEngine) -
         assert engine.runner.steps == steps + 1
     finally:
         for s in (a, b, c, d):
-            s.close()
+            if s is not None:
+                s.close()
     assert await released(engine)
 
 
@@ -250,6 +252,47 @@ async def test_more_choices_than_sequences_is_a_400(engine: LlamaCppEngine) -> N
     with pytest.raises(InvalidRequest, match="n=9 exceeds"):
         await engine.prefill_sessions(engine.tokenizer.encode(PROMPTS[0]), SPEC.max_batch_size + 1)
     assert await released(engine)
+
+
+async def test_sessions_one_task_holds_take_their_sequences_together() -> None:
+    """A request that needs several sequences (n > 1, an ensemble listing the model twice) takes them all at once
+    or waits: with two sequences and two such requests, each taking one and waiting for its second would wait
+    for ever. Prompts whose sequence is already held go past one that waits."""
+    need_llama_cpp()
+    eng = LlamaCppEngine.load(SPEC.model_copy(update={"max_batch_size": 2}))
+    await eng.start()
+    try:
+        ids = eng.tokenizer.encode(PROMPTS[0])
+
+        async def opened() -> list[LlamaSession]:  # opened in a task of their own, as a request's are
+            return [eng.open_session(), eng.open_session()]
+
+        a, b = await asyncio.gather(asyncio.create_task(opened()), asyncio.create_task(opened()))
+        first = [asyncio.create_task(s.prefill(ids)) for s in (a[0], b[0], a[1], b[1])]  # interleaved
+        await asyncio.wait_for(asyncio.gather(first[0], first[2]), 30)  # a's two
+        await asyncio.sleep(0.3)
+        assert not first[1].done() and not first[3].done()  # b's wait for two free ids
+        for s in a:
+            s.close()
+        await asyncio.wait_for(asyncio.gather(first[1], first[3]), 30)
+        for s in b:
+            s.close()
+        params = SamplingParams(temperature=0.0, max_tokens=4, n=2, ignore_eos=True)
+        runs = [collect(eng.stream(GenerationRequest(ids, params)), False) for _ in range(3)]
+        outs = await asyncio.wait_for(asyncio.gather(*runs), 60)
+        assert all(len(o) == 2 and o[0].token_ids == outs[0][0].token_ids for o in outs)
+        assert await released(eng)
+
+        async def three() -> list[LlamaSession]:
+            return [eng.open_session() for _ in range(3)]
+
+        many = await asyncio.create_task(three())
+        with pytest.raises(InvalidRequest, match="needs 3 sequences of this model at once; it has 2"):
+            await many[0].prefill(ids)
+        for s in many:
+            s.close()
+    finally:
+        await eng.aclose()
 
 
 def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
