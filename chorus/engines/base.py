@@ -10,6 +10,7 @@ forward, the logits after each: speculative verification, a lagging member's cat
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -280,6 +281,17 @@ def check_rollback(n: int, length: int) -> None:
     """A session may forget 0..length-1 of its tokens (never its whole prompt)."""
     if not 0 <= n < length:
         raise InvalidRequest(f"cannot roll back {n} of {length} tokens")
+
+
+#: the request the running code works for: the gateway sets a new one for each HTTP request, and the tasks a
+#: request starts inherit it. An engine whose sequences are scarce (llama.cpp's) gives the sessions one request
+#: holds open their sequences together (`request_scope`).
+REQUEST_SCOPE: contextvars.ContextVar[object | None] = contextvars.ContextVar("chorus_request", default=None)
+
+
+def request_scope() -> object | None:
+    """The current request (`REQUEST_SCOPE`), or outside one the current task."""
+    return REQUEST_SCOPE.get() or asyncio.current_task()
 
 
 async def gather_ready(count_ready: Callable[[], int], total: int, window_s: float, wake: asyncio.Event) -> None:

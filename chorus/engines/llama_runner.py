@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.engines.base import check_can_roll_back, check_extend, check_rollback, gather_ready
+from chorus.engines.base import check_can_roll_back, check_extend, check_rollback, gather_ready, request_scope
 from chorus.engines.picks import Pick, TokenPicker
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
@@ -107,9 +107,9 @@ class LlamaSession:
         self.closed = False
         self.trim_to: int | None = None  # a rollback to apply before the next batch
         self.driving: Drive | None = None
-        # the task that opened it: the sessions one task holds open without a sequence id take their ids
-        # together (`LlamaRunner._take_ids`)
-        self.owner = asyncio.current_task()
+        # the request (else the task) that opened it: the sessions one request holds open without a sequence id
+        # take their ids together (`LlamaRunner._take_ids`)
+        self.owner = request_scope()
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -310,9 +310,9 @@ class LlamaRunner:
         return plan
 
     def _take_ids(self, s: LlamaSession) -> bool:
-        """Sequence ids for ``s`` and for every other session its task holds open without one (a request's
-        ``n`` choices, an ensemble's members on this model), all at once or none: a request holding some of
-        the sequences it needs while waiting for the rest could wait on others doing the same, for ever."""
+        """Sequence ids for ``s`` and for every other session its request holds open without one (its ``n``
+        choices, its prompts, an ensemble's members on this model), all at once or none: a request holding some
+        of the sequences it needs while waiting for the rest could wait on others doing the same, for ever."""
         group = [s, *(g for g in self.sessions if g is not s and g.owner is not None and g.owner is s.owner
                       and g.seq is None and not g.closed)]
         if len(group) > self.max_batch_size:

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.config import Limits
+from chorus.engines.base import REQUEST_SCOPE
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
 from chorus.server.auth import KeyStore, Principal
 from chorus.server.errors import error_response
@@ -52,6 +53,7 @@ class Gateway:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        REQUEST_SCOPE.set(object())  # this request's own (uvicorn runs each request in a task of its own)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = headers.get("x-request-id", "")
         rid = given if _SANE_ID.match(given) else uuid.uuid4().hex

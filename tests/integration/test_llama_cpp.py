@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import Choice, DrivenSession, GenerationRequest, SamplingParams
+from chorus.engines.base import REQUEST_SCOPE, Choice, DrivenSession, GenerationRequest, SamplingParams
 from chorus.engines.generation import collect, decode_loop
 from chorus.engines.llama_cpp_engine import LlamaCppEngine
 from chorus.engines.llama_runner import LlamaSession
@@ -283,10 +283,14 @@ async def test_sessions_one_task_holds_take_their_sequences_together() -> None:
         assert all(len(o) == 2 and o[0].token_ids == outs[0][0].token_ids for o in outs)
         assert await released(eng)
 
-        async def three() -> list[LlamaSession]:
-            return [eng.open_session() for _ in range(3)]
+        async def one() -> LlamaSession:
+            return eng.open_session()
 
-        many = await asyncio.create_task(three())
+        scope = REQUEST_SCOPE.set(object())  # one request (the gateway sets one each): its tasks' sessions group
+        try:
+            many = await asyncio.gather(*(asyncio.create_task(one()) for _ in range(3)))
+        finally:
+            REQUEST_SCOPE.reset(scope)
         with pytest.raises(InvalidRequest, match="needs 3 sequences of this model at once; it has 2"):
             await many[0].prefill(ids)
         for s in many:
@@ -390,6 +394,15 @@ def test_choices_and_response_format(client: openai.OpenAI, llama_server: LiveSe
     s = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=30, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}})
     assert set(json.loads(s.choices[0].message.content or "")) == {"city"}
+
+
+def test_a_request_takes_the_sequences_of_its_prompts_together(client: openai.OpenAI) -> None:
+    """A completion's prompts are prefilled together: more than the model's sequences is a 400 at once (it held
+    eight and waited for a ninth until its deadline), as many as it has are served."""
+    out = client.completions.create(model=LLAMA, prompt=PROMPTS * 2 + PROMPTS[:2], max_tokens=2, temperature=0)
+    assert len(out.choices) == SPEC.max_batch_size
+    with pytest.raises(openai.BadRequestError, match="needs 9 sequences of this model at once; it has 8"):
+        client.completions.create(model=LLAMA, prompt=PROMPTS * 3, max_tokens=2)
 
 
 def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI) -> None:
