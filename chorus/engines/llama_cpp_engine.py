@@ -89,8 +89,8 @@ def tokenizer_for(spec: ModelSpec, gguf: Path) -> HFTokenizer:
 
 
 class LlamaCppEngine(SessionEngine):
-    def __init__(self, spec: ModelSpec, lib: Any, model: Any, ctx: Any, pools: ThreadPools, tokenizer: HFTokenizer,
-                 *, max_model_len: int, n_batch: int, n_vocab: int) -> None:
+    def __init__(self, spec: ModelSpec, lib: Any, model: Any, ctx: Any, pools: ThreadPools | None,
+                 tokenizer: HFTokenizer, *, max_model_len: int, n_batch: int, n_vocab: int) -> None:
         self.name = spec.name
         self.spec = spec
         self.lib = lib
@@ -145,12 +145,7 @@ class LlamaCppEngine(SessionEngine):
         if not ctx:
             lib.llama_model_free(model)
             raise ConfigError(f"model {spec.name!r}: llama.cpp cannot create a context for {gguf} (n_ctx {n_ctx})")
-        try:
-            pools = ThreadPools(lib, ctx, threads, threads_batch, poll)
-        except RuntimeError as exc:
-            lib.llama_free(ctx)
-            lib.llama_model_free(model)
-            raise ConfigError(f"model {spec.name!r}: {exc}") from None
+        pools = ThreadPools.attach(lib, ctx, threads, threads_batch, poll)
         n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
         tokenizer = tokenizer_for(spec, gguf)
         if n_vocab != tokenizer.vocab_size:
@@ -164,7 +159,8 @@ class LlamaCppEngine(SessionEngine):
     async def aclose(self) -> None:
         await self.runner.stop()
         if self.ctx is not None:
-            self.pools.close()
+            if self.pools is not None:
+                self.pools.close()
             self.lib.llama_free(self.ctx)
             self.lib.llama_model_free(self.model)
             self.ctx = self.model = None

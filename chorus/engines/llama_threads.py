@@ -10,9 +10,10 @@ here on the libraries it ships (ggml's ABI of the vendored llama.cpp: ``ggml.h``
 from __future__ import annotations
 
 import ctypes
-import os
+import logging
 from typing import Any
 
+log = logging.getLogger("chorus.llama_cpp")
 MAX_THREADS = 512  # GGML_MAX_N_THREADS: the size of the params' cpumask
 
 
@@ -24,10 +25,13 @@ class PoolParams(ctypes.Structure):
 
 
 def _ggml(llama_cpp: Any) -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """ggml's base and CPU libraries beside llama-cpp-python's libllama (already loaded by it)."""
-    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
-    cpu = ctypes.CDLL(os.path.join(libdir, "libggml-cpu.so"))
+    """ggml's base and CPU libraries beside llama-cpp-python's libllama (already loaded by it), found the way
+    llama-cpp-python finds its own (the platform's suffix, ``LLAMA_CPP_LIB_PATH``)."""
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    where = llama_cpp.llama_cpp._base_path
+    base = load_shared_library("ggml-base", where)
+    cpu = load_shared_library("ggml-cpu", where)
     base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(PoolParams), ctypes.c_int]
     base.ggml_threadpool_params_init.restype = None
     cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(PoolParams)]
@@ -45,6 +49,16 @@ def _ggml(llama_cpp: Any) -> tuple[ctypes.CDLL, ctypes.CDLL]:
 class ThreadPools:
     """One pool for single-token decodes (``threads``) and one for prompt batches (``threads_batch``), shared
     when the two counts are equal (as llama.cpp's tools do); `close` detaches and frees them."""
+
+    @classmethod
+    def attach(cls, llama_cpp: Any, ctx: Any, threads: int, threads_batch: int, poll: int) -> ThreadPools | None:
+        """The pools, attached; None (with a warning: decodes then start their own threads, as before) where
+        this build's ggml libraries cannot be found or bound, or ggml cannot start the threads."""
+        try:
+            return cls(llama_cpp, ctx, threads, threads_batch, poll)
+        except (OSError, RuntimeError, AttributeError, ImportError) as exc:
+            log.warning("llama.cpp: no persistent thread pool (%s): each decode starts its own threads", exc)
+            return None
 
     def __init__(self, llama_cpp: Any, ctx: Any, threads: int, threads_batch: int, poll: int) -> None:
         self._base, self._cpu = _ggml(llama_cpp)

@@ -320,16 +320,31 @@ def test_options_are_checked() -> None:
 async def test_a_persistent_thread_pool_per_thread_count(engine: LlamaCppEngine) -> None:
     """The context decodes on ggml thread pools of its own (one when prompts and steps use the same count, two
     otherwise), and a model with two pools and no polling decodes the same tokens."""
-    assert len(engine.pools.pools) == 1
+    assert engine.pools is not None and len(engine.pools.pools) == 1
     other = LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"threads": 2, "threads_batch": 1, "poll": 0},
                                                          "max_batch_size": 2}))
     await other.start()
     try:
-        assert len(other.pools.pools) == 2
+        assert other.pools is not None and len(other.pools.pools) == 2
         assert (await greedy(other, PROMPTS[1]))[0] == (await greedy(engine, PROMPTS[1]))[0]
     finally:
         await other.aclose()
-    assert other.pools.pools == [] and other.ctx is None
+    assert other.pools is not None and other.pools.pools == [] and other.ctx is None
+
+
+async def test_without_ggml_libraries_to_bind_decodes_start_their_own_threads(
+        engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp.llama_cpp, "_base_path", tmp_path)  # a build whose libraries lie elsewhere
+    other = LlamaCppEngine.load(SPEC.model_copy(update={"max_batch_size": 2}))
+    await other.start()
+    try:
+        assert other.pools is None and "no persistent thread pool" in caplog.text
+        assert (await greedy(other, PROMPTS[2]))[0] == (await greedy(engine, PROMPTS[2]))[0]
+    finally:
+        await other.aclose()
 
 
 # through the HTTP API ----------------------------------------------------------------------------------------
