@@ -64,9 +64,13 @@ class ThreadPools:
         self._base, self._cpu = _ggml(llama_cpp)
         self._llama = llama_cpp.llama_cpp._lib
         self._ctx = ctx
-        self.pools = [self._new(threads, poll)]
-        if threads_batch != threads:
-            self.pools.append(self._new(threads_batch, poll))
+        self.pools: list[int] = []
+        try:
+            for count in dict.fromkeys((threads, threads_batch)):  # one pool when the counts are equal
+                self.pools.append(self._new(count, poll))
+        except RuntimeError:
+            self._free()
+            raise
         self._llama.llama_attach_threadpool(ctx, self.pools[0], self.pools[-1])
 
     def _new(self, threads: int, poll: int) -> int:
@@ -75,15 +79,16 @@ class ThreadPools:
         params.poll = poll
         pool = self._cpu.ggml_threadpool_new(ctypes.byref(params))
         if not pool:
-            for made in getattr(self, "pools", []):
-                self._cpu.ggml_threadpool_free(made)
             raise RuntimeError(f"ggml could not start a pool of {threads} threads")
         return int(pool)
+
+    def _free(self) -> None:
+        for pool in self.pools:
+            self._cpu.ggml_threadpool_free(pool)
+        self.pools = []
 
     def close(self) -> None:
         """Detach (the context's decodes fall back to per-decode threads) and free; the context outlives this."""
         if self.pools:
             self._llama.llama_detach_threadpool(self._ctx)
-            for pool in self.pools:
-                self._cpu.ggml_threadpool_free(pool)
-            self.pools = []
+            self._free()
