@@ -36,11 +36,12 @@ from chorus.clients.local import free_port, wait_ready
 STREAMS = (1, 4, 8, 16)
 
 
-def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict, tf_model: dict) -> list[Server]:
+def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict, tf_model: dict | None
+             ) -> list[Server]:
     configs = {  # each server its own config: the llama.cpp one serves llama.cpp models only (as a user would)
         "llama_cpp": {"models": [llama_model], "ensembles": [{"name": "llama-avg", "strategy": "logit_average",
                                                               "members": [llama_model["name"]] * 2}]},
-        "transformers": {"models": [tf_model]}}
+        **({"transformers": {"models": [tf_model]}} if tf_model else {})}
     same = {"ignore_eos": True, "stream_options": {"include_usage": True}}
     out = []
     for engine, config in configs.items():
@@ -71,16 +72,24 @@ def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict,
 
 def main(args: argparse.Namespace) -> int:
     from chorus.config import load_config
+    from chorus.engines.prepare import is_ready
     from chorus.engines.sources import resolve_gguf
     from chorus.engines.spec import chorus_home
 
     config = load_config(args.config)
     base = config.model(args.model)
     gguf = resolve_gguf(base, chorus_home())
-    tf_model = base.model_dump(exclude_none=True)
+    # the transformers peer: the same entry when it is a transformers model whose float32 checkpoint is prepared
+    tf_model = (base.model_dump(exclude_none=True) if args.transformers and base.engine == "transformers"
+                and is_ready(base) else None)
+    if tf_model is None:
+        print(f"chorus serve, engine: transformers: skipped ({args.model} is not a prepared transformers model, or "
+              "--no-transformers)", file=sys.stderr)
     # max_batch_size: at least the two sequences of the two-member ensemble (with one, it waited for itself)
-    llama_model = {"name": f"{base.name}-llama", "engine": "llama_cpp",
+    name = base.name if base.engine == "llama_cpp" else f"{base.name}-llama"
+    llama_model = {"name": name, "engine": "llama_cpp",
                    **({"source": base.source} if base.source else {"path": str(gguf)}),
+                   **({"gguf": base.gguf.model_dump()} if base.gguf else {}),
                    "max_batch_size": max(*args.streams, 2), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(f"chorus bench llama: {gguf.name}, {args.threads} threads, {args.tokens} tokens per request, greedy, "
@@ -152,7 +161,10 @@ def paired_ratio(a: list[float], b: list[float]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="a config model with a GGUF source")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="any config model whose source is a GGUF (a transformers entry, or an engine: llama_cpp one)")
+    p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the transformers engine on the dequantized checkpoint (where it is prepared)")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from chorus.engines.base import Session, TokenLogprob
@@ -39,6 +40,7 @@ from chorus.errors import ConfigError, EngineUnavailable, InvalidRequest
 log = logging.getLogger("chorus.engine")
 OPTIONS = {"n_ctx", "n_batch", "threads", "threads_batch", "poll"}
 CONTEXT_CAP = 4096
+PROBE = "The capital of France is"  # the start-up probe: its logits must be finite
 _STATE: dict[str, Any] = {}  # the initialised library and its log callback (llama.cpp keeps the pointer)
 
 
@@ -65,6 +67,27 @@ def _library() -> Any:
     llama_cpp.llama_backend_init()
     _STATE["lib"] = llama_cpp
     return llama_cpp
+
+
+def probe(lib: Any, ctx: Any, ids: list[int], n_vocab: int) -> str | None:
+    """Decode ``ids`` on sequence 0 of a fresh context and read the last token's logits; None when every one is
+    a finite number, else what is wrong ("12 NaN logits"). The sequence's cells are cleared afterwards."""
+    batch = lib.llama_batch_init(len(ids), 0, 1)
+    try:
+        for i, token in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i == len(ids) - 1
+        batch.n_tokens = len(ids)
+        rc = lib.llama_decode(ctx, batch)
+        if rc != 0:
+            return f"llama_decode error {rc}"
+        row = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, len(ids) - 1), shape=(n_vocab,))
+        nan, inf = int(np.isnan(row).sum()), int(np.isinf(row).sum())
+        return None if nan == inf == 0 else f"{nan} NaN and {inf} infinite logits of {n_vocab}"
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_memory_seq_rm(lib.llama_get_memory(ctx), 0, -1, -1)
 
 
 def gguf_of(spec: ModelSpec) -> Path:
@@ -148,6 +171,15 @@ class LlamaCppEngine(SessionEngine):
         pools = ThreadPools.attach(lib, ctx, threads, threads_batch, poll)
         n_vocab = int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model)))
         tokenizer = tokenizer_for(spec, gguf)
+        bad_probe = probe(lib, ctx, tokenizer.encode(PROBE), n_vocab)
+        if bad_probe:
+            if pools is not None:
+                pools.close()
+            lib.llama_free(ctx)
+            lib.llama_model_free(model)
+            raise ConfigError(f"model {spec.name!r}: llama.cpp's start-up probe ({PROBE!r}, {threads} threads) gave "
+                              f"{bad_probe}; chorus does not serve a model whose logits are not numbers. Try "
+                              "llama_cpp: {threads: 1}, and report the build (docs/configuration.md)")
         if n_vocab != tokenizer.vocab_size:
             log.warning("%s: llama.cpp has %d tokens, the tokenizer %d", spec.name, n_vocab, tokenizer.vocab_size)
         log.info("loaded %s from %s (llama.cpp, mmap) in %.1fs", spec.name, gguf, time.perf_counter() - t0)

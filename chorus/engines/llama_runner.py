@@ -182,6 +182,17 @@ class LlamaSession:
             self._runner.release(self)
 
 
+def finite(rows: torch.Tensor) -> bool:
+    """Whether every logit of these rows is a number (a row's max is NaN or inf when any entry is): a NaN row
+    is a failed decode, never a sampled token (argmax of NaNs is token 0)."""
+    return bool(torch.isfinite(rows.amax(dim=-1)).all())
+
+
+def non_finite() -> EngineFailed:
+    return EngineFailed("llama.cpp returned logits that are not numbers (NaN or inf) for this sequence; the model "
+                        "or this build computes wrongly (the engine's start-up probe checks one prompt)")
+
+
 def _answered(sessions: list[LlamaSession]) -> int:
     """How many of ``sessions`` have submitted their next work, are driven (their next token is there), or
     closed."""
@@ -365,6 +376,9 @@ class LlamaRunner:
                 w = s.work
                 if w is None or w.future.done() or s.closed:
                     continue
+                if not finite(rows):
+                    w.future.set_exception(non_finite())
+                    continue
                 w.done += len(f.tokens)
                 s.length += len(f.tokens)
                 w.rows.append(rows)
@@ -411,6 +425,10 @@ class LlamaRunner:
                 continue
             d.pos = f.start + 1
             if d.stopped:
+                continue
+            if not finite(rows[-1:]):
+                d.stopped = True
+                picks.append((d, non_finite()))
                 continue
             try:
                 pick = d.picker(rows[-1])

@@ -4,7 +4,8 @@ Without one, ggml's CPU backend starts ``threads - 1`` new threads for every ``l
 its end (llama-cpp-python attaches none: its binding leaves ``llama_attach_threadpool`` out). A pool keeps
 its threads between decodes; after a decode they poll for the next one for a while (``poll``, ggml's 0 to
 100; llama.cpp's default 50), then sleep. llama-cpp-python does not bind these calls, so they are declared
-here on the libraries it ships (ggml's ABI of the vendored llama.cpp: ``ggml.h``, ``ggml-cpu.h``).
+here (ggml's ABI of the vendored llama.cpp: ``ggml.h``, ``ggml-cpu.h``), looked up through libllama (`_ggml` says
+why that matters).
 """
 
 from __future__ import annotations
@@ -24,26 +25,38 @@ class PoolParams(ctypes.Structure):
                 ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
 
 
-def _ggml(llama_cpp: Any) -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    """ggml's base and CPU libraries beside llama-cpp-python's libllama (already loaded by it), found the way
-    llama-cpp-python finds its own (the platform's suffix, ``LLAMA_CPP_LIB_PATH``)."""
-    from llama_cpp._ctypes_extensions import load_shared_library
+def _ggml(llama_cpp: Any) -> ctypes.CDLL:
+    """libllama, as llama-cpp-python loaded it, with ggml's thread-pool calls bound on it.
 
-    where = llama_cpp.llama_cpp._base_path
-    base = load_shared_library("ggml-base", where)
-    cpu = load_shared_library("ggml-cpu", where)
-    base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(PoolParams), ctypes.c_int]
-    base.ggml_threadpool_params_init.restype = None
-    cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(PoolParams)]
-    cpu.ggml_threadpool_new.restype = ctypes.c_void_p
-    cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
-    cpu.ggml_threadpool_free.restype = None
+    The calls live in ggml's base and CPU libraries, which libllama links by their sonames (``libggml-cpu.so.0``).
+    A pip install copies each library under every name of its symlink chain, so loading ``libggml-cpu.so`` by
+    path maps a second, separate copy of ggml's CPU backend: a pool made there runs that copy's compute code,
+    which never ran its CPU initialisation and does not know the weights this context repacked at load
+    (K-quants are repacked into interleaved blocks on AVX2 / AVX-512): Q4_K_M models gave NaN or garbage with
+    more than one thread. Looking the symbols up on libllama's own handle resolves them, as the dynamic linker
+    does for libllama itself, in the copy it uses (dlsym searches a handle's dependencies too)."""
     llama = llama_cpp.llama_cpp._lib
+    llama.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(PoolParams), ctypes.c_int]
+    llama.ggml_threadpool_params_init.restype = None
+    llama.ggml_threadpool_new.argtypes = [ctypes.POINTER(PoolParams)]
+    llama.ggml_threadpool_new.restype = ctypes.c_void_p
+    llama.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+    llama.ggml_threadpool_free.restype = None
     llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     llama.llama_attach_threadpool.restype = None
     llama.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
     llama.llama_detach_threadpool.restype = None
-    return base, cpu
+    return llama
+
+
+def ggml_copies() -> list[str]:
+    """The files of ggml's CPU backend mapped into this process (Linux; empty elsewhere): one, unless a second
+    copy was loaded by another path (the cause of the K-quant NaNs above)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "libggml-cpu" in line})
+    except OSError:
+        return []
 
 
 class ThreadPools:
@@ -53,7 +66,7 @@ class ThreadPools:
     @classmethod
     def attach(cls, llama_cpp: Any, ctx: Any, threads: int, threads_batch: int, poll: int) -> ThreadPools | None:
         """The pools, attached; None (with a warning: decodes then start their own threads, as before) where
-        this build's ggml libraries cannot be found or bound, or ggml cannot start the threads."""
+        this build's ggml calls cannot be bound, or ggml cannot start the threads."""
         try:
             return cls(llama_cpp, ctx, threads, threads_batch, poll)
         except (OSError, RuntimeError, AttributeError, ImportError) as exc:
@@ -61,8 +74,7 @@ class ThreadPools:
             return None
 
     def __init__(self, llama_cpp: Any, ctx: Any, threads: int, threads_batch: int, poll: int) -> None:
-        self._base, self._cpu = _ggml(llama_cpp)
-        self._llama = llama_cpp.llama_cpp._lib
+        self._llama = _ggml(llama_cpp)
         self._ctx = ctx
         self.pools: list[int] = []
         try:
@@ -75,16 +87,16 @@ class ThreadPools:
 
     def _new(self, threads: int, poll: int) -> int:
         params = PoolParams()
-        self._base.ggml_threadpool_params_init(ctypes.byref(params), threads)
+        self._llama.ggml_threadpool_params_init(ctypes.byref(params), threads)
         params.poll = poll
-        pool = self._cpu.ggml_threadpool_new(ctypes.byref(params))
+        pool = self._llama.ggml_threadpool_new(ctypes.byref(params))
         if not pool:
             raise RuntimeError(f"ggml could not start a pool of {threads} threads")
         return int(pool)
 
     def _free(self) -> None:
         for pool in self.pools:
-            self._cpu.ggml_threadpool_free(pool)
+            self._llama.ggml_threadpool_free(pool)
         self.pools = []
 
     def close(self) -> None:
