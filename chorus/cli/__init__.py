@@ -81,6 +81,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.cli.families:train_duma_arguments",
         config=False,
     ),
+    ("train", "cascade"): Command(
+        "agreement cascade thresholds fitted on cached train answers for a target accuracy (an artifact)",
+        "chorus.training.cascade:main",
+        "chorus.training.cascade:add_arguments",
+        config=False,
+    ),
     ("train", "selector"): Command(
         "fit a selector ('select') and a prompt-only router ('route', router: learned) from labelled items "
         "answered through a running chorus (generative items: the router only)",
@@ -109,6 +115,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "short free-text answers (capitals, continents, symbols, conversions): models vs text-level ensembles",
         "chorus.clients.eval_facts:main",
         "chorus.clients.eval_facts:add_arguments",
+    ),
+    ("eval", "gsm8k"): Command(
+        "GSM8K answers of served models (greedy and k samples), cached per item, for the answer-side evidence",
+        "chorus.clients.eval_gsm8k:main",
+        "chorus.clients.eval_gsm8k:add_arguments",
+        config=False,
     ),
     ("eval", "tasks"): Command(
         "lm-evaluation-harness task YAMLs for local PIQA / ARC-Easy / HellaSwag files",

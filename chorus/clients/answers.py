@@ -2,7 +2,8 @@
 
 - ``number``: the text after the last "the answer is" (or the whole text if the phrase is absent),
   thousands commas dropped; the first number there if the phrase was present, else the last number in
-  the text; a trailing "." stripped; integral values written without decimals ("42.0" -> "42").
+  the text; a trailing "." stripped; integral values written without decimals ("42.0" -> "42"), others in
+  their shortest form ("72.50" -> "72.5"), so equal numbers are one answer.
 - ``choice``: the option letter (A-E) after the last "the answer is", else the last standalone letter.
 - ``yes_no``: "yes" or "no": the first of the two words after the last "the answer is", else the first in
   the text (small models open with "Yes, ...").
@@ -70,7 +71,9 @@ def _canonical_number(s: str) -> str:
         value = float(s)
     except ValueError:
         return s
-    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else s
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value) if abs(value) < 1e15 else s  # "72.50" and "72.5" are one answer
 
 
 def extract_answer(text: str, kind: str = "number", pattern: re.Pattern[str] | None = None) -> str:

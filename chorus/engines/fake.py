@@ -7,6 +7,8 @@ character level: one token per printable ASCII character, plus ``<eos>``.
 The next-token logits of a session are a function of the text so far:
 - with ``script``: the next character of the script is favoured (peak ``sharpness``), then ``<eos>``;
 - with ``reply`` (a function of the prompt text): as with a script, the reply to this prompt;
+- with ``replies``: session ``i`` of the engine (in the order they are opened) is scripted with
+  ``replies[i % len(replies)]``: ``n`` samples of one prompt get different replies (answer-side ensembles);
 - without: the next character is the one after the last (``a`` -> ``b``), so outputs are predictable.
 """
 
@@ -79,6 +81,9 @@ class FakeSession:
         self._ids: list[int] = []
         self._prompt_len = 0
         self._script = engine.script
+        if engine.replies:
+            self._script = engine.replies[engine.opened % len(engine.replies)]
+        engine.opened += 1
         self._closed = False
         engine._open.add(self)
 
@@ -153,9 +158,11 @@ class FakeEngine(SessionEngine):
     def __init__(self, name: str = "fake", *, script: str | None = None, delay: float = 0.0,
                  max_model_len: int = 256, sharpness: float = 10.0, fail_after: int | None = None,
                  sampling_defaults: dict[str, float] | None = None,
-                 reply: Callable[[str], str] | None = None) -> None:
+                 reply: Callable[[str], str] | None = None, replies: Sequence[str] | None = None) -> None:
         self.name = name
         self.reply = reply
+        self.replies = list(replies or [])
+        self.opened = 0  # sessions opened so far (``replies`` cycles through them)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.script = script
         self.delay = delay

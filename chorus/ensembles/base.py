@@ -50,6 +50,8 @@ STRATEGIES: dict[str, str] = {
     "cascade": "chorus.ensembles.cascade:Cascade",
     "choice_average": "chorus.ensembles.choice_average:ChoiceAverage",
     "select": "chorus.ensembles.select:Select",
+    "answer_vote": "chorus.ensembles.answer_vote:AnswerVote",
+    "consistency_select": "chorus.ensembles.consistency_select:ConsistencySelect",
 }
 
 
@@ -103,6 +105,8 @@ class Strategy:
     min_members: ClassVar[int] = 2
     #: serves /v1/choices only (its members may be scorer models, which generate nothing)
     scores_only: ClassVar[bool] = False
+    #: a text-level strategy that answers ``n`` > 1 with several of its candidates (answer_vote)
+    answers_n: ClassVar[bool] = False
 
     def __init__(self, name: str, members: list[Member], params: Any, engines: dict[str, Engine],
                  ensemble: str | None = None) -> None:
@@ -231,7 +235,7 @@ class Ensemble:
         if s.scores_only:
             raise InvalidRequest(f"The {self.spec.strategy!r} ensemble scores choices only (POST /v1/choices); it "
                                  "generates no text.", param="model")
-        if n > 1 and not s.token_level:
+        if n > 1 and not (s.token_level or s.answers_n):
             raise InvalidRequest(f"'n' must be 1 with the text-level strategy {self.spec.strategy!r}.", param="n")
         if logprobs and not (s.token_level or s.supports_logprobs):
             raise InvalidRequest(f"'logprobs' is not available with the strategy {self.spec.strategy!r}.",
@@ -240,7 +244,7 @@ class Ensemble:
             raise InvalidRequest("'logit_bias' names token ids of one vocabulary; an ensemble's members each have "
                                  "their own: send it to a single model.", param="logit_bias")
         call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
-                    detail=self.spec.trace)
+                    detail=self.spec.trace, n=n)
         s.precheck(call)
         return call
 

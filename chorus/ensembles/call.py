@@ -128,6 +128,8 @@ class Call:
     by_member: dict[str, Usage] = field(default_factory=dict)
     #: every member request made, in order (benchmarks replay them one by one)
     requests: list[tuple[Member, GenerationRequest]] = field(default_factory=list)
+    #: the choices the client asked for (token-level strategies and those with ``answers_n``)
+    n: int = 1
 
     def request(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
                 **overrides: Any) -> GenerationRequest:

@@ -3,26 +3,31 @@
 Confidence of an answer:
 - ``mean_logprob``: mean log-probability of its tokens (threshold in (-inf, 0]);
 - ``min_logprob``: its least likely token's log-probability (threshold in (-inf, 0]);
-- ``agreement``: ``samples`` answers are drawn; the share that agree with the most common one
-  (answers compared after extraction: ``answer`` number / choice, or the whitespace-normalised text).
+- ``agreement`` (the agreement cascade): ``samples`` answers are drawn in one request; the share that give the
+  most common extracted answer (``answer``: number, choice, yes_no, text or auto, as `answer_vote` extracts
+  them; a sample without an answer counts against agreement). The reply is the majority answer's most likely
+  sample (whole text).
 The last member's answer is always accepted. ``threshold`` is one number or one per step (members
-minus one). The accepted answer streams once accepted; the trace lists every step's confidence and why
-it escalated or stopped.
+minus one), or comes from ``artifact``: a file `chorus train cascade` wrote (thresholds fitted on a train
+split for a target accuracy), whose members must be this ensemble's, in order. The accepted answer streams once
+accepted; the trace lists every step's confidence and why it escalated or stopped.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import json
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.clients.answers import extract_answer
 from chorus.engines.base import Choice, Delta
+from chorus.ensembles.answer_vote import Drawer, DrawParams
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
 from chorus.ensembles.metrics import CASCADE_STEPS
+from chorus.ensembles.voting import Sample, agreement, best_sample
 from chorus.errors import InvalidRequest
 
 
@@ -30,14 +35,44 @@ class CascadeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     confidence: Literal["mean_logprob", "min_logprob", "agreement"] = "mean_logprob"
-    threshold: float | list[float] = Field(description="accept when confidence >= threshold (one, or one per step)")
+    threshold: float | list[float] | None = Field(
+        default=None, description="accept when confidence >= threshold (one, or one per step)")
+    artifact: str | None = Field(default=None, description="agreement: thresholds from `chorus train cascade`")
     samples: int = Field(default=3, ge=2, le=16, description="agreement: answers drawn per member")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="agreement: sampling temperature")
-    answer: Literal["number", "choice", "text"] = Field(default="text", description="agreement: what must agree")
+    answer: Literal["number", "choice", "yes_no", "text", "auto"] = Field(
+        default="text", description="agreement: what must agree")
 
 
 def normalised(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+def read_artifact(path: str, members: list[str]) -> list[float]:
+    """The thresholds of a `chorus train cascade` artifact, checked against the ensemble's members (models, in
+    order); a 400 naming ``ensemble.artifact`` when it cannot be read or was fitted for other members."""
+    try:
+        data = json.loads(Path(path).read_text())
+        fitted, thresholds = list(data["members"]), [float(x) for x in data["thresholds"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest(f"cannot read the cascade artifact {path!r}: {exc}", param="ensemble.artifact") from None
+    if fitted != members:
+        raise InvalidRequest(f"the cascade artifact {path!r} was fitted for members {fitted}, not {members}.",
+                             param="ensemble.artifact")
+    if len(thresholds) != len(members) - 1 or any(not 0 <= x <= 1 for x in thresholds):
+        raise InvalidRequest(f"the cascade artifact {path!r} must hold {len(members) - 1} thresholds in [0, 1].",
+                             param="ensemble.artifact")
+    return thresholds
+
+
+def agreed_choice(samples: list[Sample]) -> tuple[float, Choice] | None:
+    """Agreement and the majority answer's most likely sample, as a choice; None when nothing was drawn."""
+    if not samples:
+        return None
+    share, answer = agreement(samples)
+    best = best_sample(samples, answer) if answer else max(samples, key=lambda s: s.mean_logprob or float("-inf"))
+    assert best is not None
+    return share, Choice(0, best.text, [], best.finish_reason)
 
 
 class Cascade(Strategy):
@@ -46,7 +81,17 @@ class Cascade(Strategy):
     def check(self) -> None:
         p: CascadeParams = self.params
         steps = len(self.members) - 1
-        t = p.threshold if isinstance(p.threshold, list) else [p.threshold] * steps
+        if (p.threshold is None) == (p.artifact is None):
+            raise InvalidRequest("A cascade needs exactly one of 'threshold' and 'artifact'.",
+                                 param="ensemble.threshold")
+        if p.artifact is not None:
+            if p.confidence != "agreement":
+                raise InvalidRequest("'artifact' holds agreement thresholds: it needs confidence: agreement.",
+                                     param="ensemble.artifact")
+            t = read_artifact(p.artifact, [m.spec.model for m in self.members])
+        else:
+            assert p.threshold is not None
+            t = p.threshold if isinstance(p.threshold, list) else [p.threshold] * steps
         if len(t) != steps:
             raise InvalidRequest(f"'threshold' must be one number or {steps} (one per member but the last).",
                                  param="ensemble.threshold")
@@ -56,36 +101,32 @@ class Cascade(Strategy):
             raise InvalidRequest("log-probability thresholds must be <= 0 (e.g. -0.5).", param="ensemble.threshold")
         self.thresholds = t
 
-    def key(self, text: str) -> str:
-        kind = self.params.answer
-        return normalised(text) if kind == "text" else extract_answer(text, kind)
-
     def confidence(self, choices: list[Choice]) -> tuple[float, Choice]:
-        p: CascadeParams = self.params
-        if p.confidence == "agreement":
-            keys = [self.key(c.text) for c in choices]
-            top, count = Counter(keys).most_common(1)[0]
-            return count / len(keys), choices[keys.index(top)]
         lps = [lp.logprob for lp in choices[0].logprobs or []]
         if not lps:
             return float("-inf"), choices[0]
-        return (sum(lps) / len(lps) if p.confidence == "mean_logprob" else min(lps)), choices[0]
+        return (sum(lps) / len(lps) if self.params.confidence == "mean_logprob" else min(lps)), choices[0]
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p: CascadeParams = self.params
         steps: list[dict[str, object]] = []
         call.trace.update({"confidence": p.confidence, "thresholds": self.thresholds, "steps": steps})
-        over = ({"n": p.samples} | ({"temperature": p.temperature} if p.temperature is not None else {})
-                if p.confidence == "agreement" else {"logprobs": True, "top_logprobs": 0, "n": 1})
+        drawer = Drawer(call, DrawParams(answer=p.answer, samples=p.samples, batch=p.samples, text_threshold=None,
+                                         temperature=p.temperature))
         last = len(self.members) - 1
         best: tuple[float, Choice, str] | None = None  # if the later members fail, the most confident answer
         for i, m in enumerate(self.members):
-            gen = await call.generate(m, **over)
-            if gen is None:  # skipped: escalate
+            if p.confidence == "agreement":
+                drawn = await drawer.draw(m, p.samples)
+                found = agreed_choice(drawn)
+            else:
+                gen = await call.generate(m, logprobs=True, top_logprobs=0, n=1)
+                found = None if gen is None else self.confidence(gen.choices)
+            if found is None:  # skipped: escalate
                 steps.append({"member": m.label, "error": True, "decision": "failed: escalate"})
                 CASCADE_STEPS.labels(self.ensemble, m.label, "failed").inc()
                 continue
-            conf, chosen = self.confidence(gen.choices)
+            conf, chosen = found
             if best is None or conf > best[0]:
                 best = (conf, chosen, m.label)
             if i == last:

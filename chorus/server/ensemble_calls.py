@@ -106,7 +106,7 @@ def check_limits(limits: Limits, ensemble: Ensemble) -> None:
         raise InvalidRequest(f"'max_rounds' must be at most {limits.max_rounds} on this server.",
                              param="ensemble.max_rounds")
     if budget.candidates > limits.max_candidates:
-        raise InvalidRequest(f"At most {limits.max_candidates} crowd_vote candidates on this server "
+        raise InvalidRequest(f"At most {limits.max_candidates} candidates (given or sampled) per ensemble request on this server "
                              f"(got {budget.candidates}).", param="ensemble.candidates")
 
 

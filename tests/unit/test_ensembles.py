@@ -280,7 +280,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
     [
         (
             {"strategy": "nope", "members": ["a42", "b42"]},
-            "Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought",
+            "Valid strategies: answer_vote, cascade, choice_average, consistency_select, crowd_vote, exchange_of_thought",
         ),
         ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*Available models"),
         ({"strategy": "crowd_vote", "members": ["a42"]}, "at least 2 members"),

@@ -59,7 +59,7 @@ def test_registry() -> None:
     assert strategy_class("logit_average") is LogitAverageStrategy
     with pytest.raises(
         InvalidRequest,
-        match="Valid strategies: cascade, choice_average, crowd_vote, exchange_of_thought, logit_average",
+        match="Valid strategies: answer_vote, cascade, choice_average, consistency_select, crowd_vote, exchange_of_thought, logit_average",
     ):
         strategy_class("nope")
     with pytest.raises(ValueError, match="already registered"):

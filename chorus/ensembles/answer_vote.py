@@ -1,0 +1,179 @@
+"""``answer_vote``: self-consistency over every member's samples: vote on the extracted answers, not the text.
+
+Each member draws ``samples`` replies at ``temperature`` in batches of ``batch`` (one request of ``n`` = batch per
+member and batch, so a batch's samples decode together); after each batch the answers are extracted (``answer``:
+number, choice, yes_no, text, or auto by `answer_types.detect_kind`'s rules), and the stopping rule
+(``stop``: none, majority or beta, `voting.settled`) decides whether to draw more. The winner is the answer with
+the most votes (``weights``: a member's samples count its weight, scaled so the weights average 1), ties to
+the higher mean token log-probability, then to the answer seen first; the reply is the whole text of the
+winning answer's most likely sample, so the user sees its reasoning. With ``n`` > 1 the choices are the best
+sample of each answer in vote order, then the other samples.
+
+One member with ``samples: k`` is the classic self-consistency of one model (Wang et al. 2023); several members
+vote together. The trace lists every sample (member, extracted and canonical answer, mean log-probability,
+tokens), the histogram, how many samples were drawn and why sampling stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from chorus.clients.answers import compile_pattern, extract_answer
+from chorus.engines.base import Delta
+from chorus.ensembles.answer_types import AnswerCanon, detect_kind
+from chorus.ensembles.base import Budget, Strategy
+from chorus.ensembles.call import Call, Member, gather, replace_question
+from chorus.ensembles.spec import member_weights
+from chorus.ensembles.voting import STOP_RULES, Sample, Tally, mean_logprob, ranked_samples, settled, tally
+from chorus.errors import InvalidRequest
+
+AnswerKind = Literal["number", "choice", "yes_no", "text", "auto"]
+MAX_SAMPLES = 64
+
+
+class DrawParams(BaseModel):
+    """What every answer-side strategy draws with (answer_vote, consistency_select, and cascade's agreement)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    answer: AnswerKind = "auto"
+    samples: int = Field(default=8, ge=1, le=MAX_SAMPLES, description="samples per member (at most)")
+    batch: int = Field(default=4, ge=1, le=16, description="samples drawn per member and request (n)")
+    temperature: float | None = Field(default=0.7, ge=0.0, le=2.0, description=(
+        "unless a member sets its own (null: the request's)"))
+    stop: str = Field(default="none", description="adaptive sampling: none, majority or beta")
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="the beta rule's threshold")
+    answer_pattern: str | None = Field(default=None, description="regex; its first group is the answer")
+    text_threshold: float | None = Field(default=0.85, ge=-1, le=1, description=(
+        "text answers: the embedding cosine at or above which two agree (null: normalised text only)"))
+    instruction: str | None = Field(default=None, description="appended to the question (default: none)")
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        compile_pattern(v)
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str) -> str:
+        if v not in STOP_RULES:
+            raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}")
+        return v
+
+
+class AnswerVoteParams(DrawParams):
+    weights: list[float] | None = Field(default=None, description="one per member: its samples' vote weight")
+
+
+class Drawer:
+    """One request's sampling: the answer kind, the canonical answers, the samples drawn so far per member."""
+
+    def __init__(self, call: Call, p: DrawParams) -> None:
+        self.call = call
+        self.p = p
+        question = call.prompt.question
+        self.kind, self.rule = (detect_kind(question) if p.answer == "auto" else (p.answer, "given"))
+        self.canon = AnswerCanon(self.kind, p.text_threshold)
+        self.pattern = compile_pattern(p.answer_pattern)
+        self.messages = (replace_question(call.prompt.as_messages(), f"{question}\n\n{p.instruction}")
+                         if p.instruction else None)
+        self.seed = call.sampling({}).seed
+        self.samples: dict[str, list[Sample]] = {}
+
+    async def draw(self, m: Member, count: int) -> list[Sample]:
+        """``count`` more samples of member ``m`` (one request of n = count); none when the member failed (its
+        error is in the trace, or raised with ``on_member_error: fail``)."""
+        have = len(self.samples.setdefault(m.label, []))
+        over: dict[str, Any] = {"n": count, "logprobs": True, "top_logprobs": 0}
+        if m.spec.temperature is None and self.p.temperature is not None:
+            over["temperature"] = self.p.temperature
+        if self.seed is not None and m.spec.seed is None:
+            over["seed"] = self.seed + 1000 * m.index + have  # every sample its own draw
+        gen = await self.call.generate(m, self.messages, **over)
+        if gen is None:
+            return []
+        answers = [extract_answer(c.text, self.kind, self.pattern) for c in gen.choices]
+        canon = await self.canon.canon(answers)
+        new = [Sample(m.label, c.text, a, k, mean_logprob([t.logprob for t in c.logprobs or []]),
+                      len(c.token_ids), c.finish_reason) for c, a, k in zip(gen.choices, answers, canon)]
+        self.samples[m.label].extend(new)
+        return new
+
+    def all(self) -> list[Sample]:
+        return [s for ss in self.samples.values() for s in ss]
+
+    def trace(self, t: Tally, stopped: str) -> dict[str, Any]:
+        return {"answer_type": self.kind, "answer_rule": self.rule, "samples": [
+            {"member": s.member, "answer": s.answer, "canonical": s.canonical, "mean_logprob": s.mean_logprob,
+             "tokens": s.tokens, "text": s.text} for s in self.all()],
+            "histogram": dict(t.ranked()), "drawn": t.drawn, "stopped": stopped,
+            **({"text_matches": self.canon.how} if self.kind == "text" else {})}
+
+
+def check_stop(p: DrawParams) -> None:
+    if p.stop != "none" and p.samples <= p.batch:
+        raise InvalidRequest(f"stop: {p.stop} decides between batches; with samples {p.samples} and batch {p.batch} "
+                             "there is only one: it needs more than one batch (samples > batch).",
+                             param="ensemble.stop")
+
+
+def choices(call: Call, samples: list[Sample], t: Tally) -> list[Delta]:
+    """The reply (``n`` choices: each answer's best sample in vote order, then the rest)."""
+    ranked = ranked_samples(samples, t) or samples
+    if len(ranked) < call.n:
+        raise InvalidRequest(f"n={call.n} but only {len(ranked)} samples were drawn; raise 'samples'.", param="n")
+    return [Delta(i, s.text, finish_reason=s.finish_reason) for i, s in enumerate(ranked[:call.n])]
+
+
+class AnswerVote(Strategy):
+    Params = AnswerVoteParams
+    min_members = 1
+    answers_n = True
+
+    def check(self) -> None:
+        p: AnswerVoteParams = self.params
+        check_stop(p)
+        w = member_weights(p.weights, len(self.members))
+        self.weights = {m.label: x * len(w) for m, x in zip(self.members, w)}  # averaging 1
+
+    def budget(self) -> Budget:
+        return Budget(candidates=self.params.samples * len(self.members))
+
+    def precheck(self, call: Call) -> None:
+        super().precheck(call)
+        if call.n > self.params.samples * len(self.members):
+            raise InvalidRequest(f"n={call.n} exceeds the {self.params.samples * len(self.members)} samples this "
+                                 "ensemble draws.", param="n")
+
+    async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
+        p: AnswerVoteParams = self.params
+        d = Drawer(call, p)
+        alive = list(self.members)
+        stopped = ""
+        t = Tally()
+        while alive:
+            left = {m.label: p.samples - len(d.samples.get(m.label, [])) for m in alive}
+            got = await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive))
+            alive = [m for m, new in zip(alive, got) if new and len(d.samples[m.label]) < p.samples]
+            t = tally(d.all(), self.weights)
+            remaining = sum(self.weights[m.label] * (p.samples - len(d.samples[m.label])) for m in alive)
+            done, stopped = settled(t, remaining, p.stop, p.confidence)
+            if done:
+                break
+        samples = d.all()
+        if not samples:
+            call.survivors([], self.members)  # every member failed: raises with their errors
+        call.trace.update(d.trace(t, stopped))
+        call.trace.update({"winner": {"answer": t.winner, "member": (ranked_samples(samples, t) or samples)[0].member},
+                           "reason": (f"answer {t.winner!r} has {t.counts[t.winner]:g} of {t.votes} votes"
+                                      + (f" (tie broken by {t.tie_broken_by})" if t.tie_broken_by else "")
+                                      if t.winner else "no sample gave an extractable answer: the most likely "
+                                      "sample is returned")})
+        if not t.winner:
+            samples = sorted(samples, key=lambda s: -(s.mean_logprob or float("-inf")))
+        for delta in choices(call, samples, t):
+            yield delta

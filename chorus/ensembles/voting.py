@@ -1,0 +1,147 @@
+"""Voting on the members' *answers*: the pure parts every answer-side strategy shares (served strategies and the
+offline evidence replay call the same functions, so a table and a served request decide alike).
+
+- `Sample`: one sampled reply: its member, text, extracted answer (by the answer types of `answer_types`), the
+  canonical answer it counts for, its mean token log-probability and tokens.
+- `tally`: the histogram of canonical answers. The winner has the most weight (each sample counts its member's
+  weight; equal weights by default, so: the most samples); a tie goes to the answer whose samples have the
+  higher mean token log-probability, then to the answer seen first. Samples with no extractable answer do not
+  vote.
+- `best_sample`: the reply a user sees: the winning answer's sample with the highest mean log-probability (its
+  whole text, reasoning included).
+- Stopping rules for adaptive sampling (`settled`), checked after each batch of samples:
+  - ``majority``: stop when the remaining samples cannot change the winner (its lead is larger than what is
+    left to draw);
+  - ``beta`` (Adaptive-Consistency, Aggarwal et al. 2023): with the two leading counts ``v1 >= v2``, stop when
+    ``P(p1 > p2) >= confidence`` under ``p ~ Beta(v1 + 1, v2 + 1)`` (the leader's share among the two); the
+    ``majority`` rule also applies;
+  - ``none``: draw every sample.
+- `agreement`: the share of a member's voting samples that give its majority answer (the confidence of
+  consistency-based selection and of the agreement cascade).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scipy import stats
+
+StopRule = Literal["none", "majority", "beta"]
+STOP_RULES: tuple[str, ...] = ("none", "majority", "beta")
+
+
+@dataclass
+class Sample:
+    member: str
+    text: str
+    answer: str  # as extracted ("" when none)
+    canonical: str = ""  # the answer it counts for ("" when none)
+    mean_logprob: float | None = None
+    tokens: int = 0
+    finish_reason: str = "stop"
+
+    def __post_init__(self) -> None:
+        if not self.canonical:
+            self.canonical = self.answer
+
+
+@dataclass
+class Tally:
+    """The histogram of answers (canonical answer -> weight, in first-seen order) and its winner."""
+
+    counts: dict[str, float] = field(default_factory=dict)
+    votes: int = 0  # samples with an answer
+    drawn: int = 0  # samples in all
+    winner: str = ""  # "" when no sample gave an answer
+    tie_broken_by: str | None = None  # None, "log-probability" or "first seen"
+
+    def ranked(self) -> list[tuple[str, float]]:
+        return sorted(self.counts.items(), key=lambda kv: -kv[1])
+
+
+def mean_logprob(logprobs: Sequence[float]) -> float | None:
+    return sum(logprobs) / len(logprobs) if logprobs else None
+
+
+def _lp(s: Sample) -> float:
+    return s.mean_logprob if s.mean_logprob is not None else float("-inf")
+
+
+def tally(samples: Sequence[Sample], weights: dict[str, float] | None = None) -> Tally:
+    t = Tally(drawn=len(samples))
+    quality: dict[str, list[float]] = {}
+    for s in samples:
+        if not s.canonical:
+            continue
+        t.votes += 1
+        t.counts[s.canonical] = t.counts.get(s.canonical, 0.0) + (weights or {}).get(s.member, 1.0)
+        quality.setdefault(s.canonical, []).append(_lp(s))
+    if not t.counts:
+        return t
+    top = max(t.counts.values())
+    leaders = [a for a, c in t.counts.items() if abs(c - top) < 1e-12]  # first seen first
+    if len(leaders) == 1:
+        t.winner = leaders[0]
+        return t
+
+    def mean(a: str) -> float:
+        q = quality[a]
+        return sum(q) / len(q)
+
+    best = max(mean(a) for a in leaders)
+    by_lp = [a for a in leaders if mean(a) == best]
+    t.winner = by_lp[0]
+    t.tie_broken_by = "log-probability" if len(by_lp) == 1 and best > float("-inf") else "first seen"
+    return t
+
+
+def best_sample(samples: Sequence[Sample], answer: str) -> Sample | None:
+    """The sample of ``answer`` with the highest mean log-probability (the first of them on a tie)."""
+    ofs = [s for s in samples if s.canonical == answer and answer]
+    return max(ofs, key=_lp) if ofs else None
+
+
+def ranked_samples(samples: Sequence[Sample], t: Tally) -> list[Sample]:
+    """Every sample, best first: the winner's best, then each other answer's best in vote order, then the rest
+    (the ``n`` choices of a request: distinct answers first)."""
+    order = {a: i for i, (a, _) in enumerate(t.ranked())}
+    if t.winner:
+        order[t.winner] = -1
+    firsts = [b for a in sorted(order, key=lambda a: order[a]) if (b := best_sample(samples, a)) is not None]
+    rest = sorted((s for s in samples if all(s is not f for f in firsts)),
+                  key=lambda s: (order.get(s.canonical, len(order)), -_lp(s)))
+    return firsts + rest
+
+
+def agreement(samples: Sequence[Sample]) -> tuple[float, str]:
+    """(share of the samples that give the majority answer, that answer); (0, "") when none gave one. The share
+    is over every sample drawn: a sample with no answer counts against agreement."""
+    t = tally(samples)
+    if not t.winner or not samples:
+        return 0.0, ""
+    return t.counts[t.winner] / len(samples), t.winner
+
+
+def beta_confidence(v1: float, v2: float) -> float:
+    """P(p1 > p2) for the two leading answers' counts, p1 / (p1 + p2) ~ Beta(v1 + 1, v2 + 1)."""
+    return float(stats.beta.sf(0.5, v1 + 1, v2 + 1))
+
+
+def settled(t: Tally, remaining: float, rule: str, confidence: float = 0.95) -> tuple[bool, str]:
+    """(stop now, why) after a batch: ``remaining``: the votes left to draw (samples times their weight)."""
+    if remaining <= 0:
+        return True, "every sample drawn"
+    if rule == "none" or not t.winner:
+        return False, ""
+    ranked = t.ranked()
+    v1 = ranked[0][1]
+    v2 = ranked[1][1] if len(ranked) > 1 else 0.0
+    if v1 - v2 > remaining:
+        return True, f"the lead ({v1:g} to {v2:g}) is larger than the {remaining:g} votes left"
+    if rule == "beta":
+        p = beta_confidence(v1, v2)
+        if p >= confidence:
+            return True, f"Beta rule: P(leader is the majority) = {p:.3f} >= {confidence}"
+    return False, ""

@@ -1,0 +1,245 @@
+"""Answer-side ensembles: extraction and voting on written tables, the stopping rules on synthetic answer streams,
+and the served strategies (answer_vote, consistency_select, the agreement cascade and its artifact) over fake
+members whose samples give scripted answers, through the openai SDK (chat, stream, n, Responses API), with their
+400s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from chorus.clients.answers import extract_answer
+from chorus.config import ChorusConfig
+from chorus.engines.fake import FakeEngine
+from chorus.ensembles.voting import Sample, agreement, best_sample, beta_confidence, settled, tally
+from chorus.training.cascade import fit_thresholds, write_artifact
+from tests.helpers import LiveServer, gateway
+
+
+@pytest.mark.parametrize(("text", "kind", "want"), [
+    ("She pays 3 * 4 = 12 dollars. The answer is 12.", "number", "12"),
+    ("The total is $1,234.50. The answer is $1,234.50.", "number", "1234.5"),
+    ("The answer is 1234.500", "number", "1234.5"),
+    ("The answer is: 18 dollars a week", "number", "18"),
+    ("It drops to -5 degrees. The answer is -5.", "number", "-5"),
+    ("The answer is 0.25", "number", "0.25"),
+    ("12 + 30 = 42, so he has 42 left", "number", "42"),  # no phrase: the last number
+    ("The answer is 7 apples, not 8.", "number", "7"),  # the phrase: the first number after it
+    ("No number at all.", "number", ""),
+    ("I think (C) fits. The answer is (B).", "choice", "B"),
+    ("Option A is wrong; D", "choice", "D"),
+    ("Yes, it does. The answer is no.", "yes_no", "no"),
+    ("Yes, because water boils.", "yes_no", "yes"),
+    ("The answer is Paris.", "text", "Paris"),
+])
+def test_extraction_table(text: str, kind: str, want: str) -> None:
+    assert extract_answer(text, kind) == want
+
+
+def S(member: str, answer: str, lp: float | None = None) -> Sample:
+    return Sample(member, f"... The answer is {answer}.", answer, mean_logprob=lp)
+
+
+@pytest.mark.parametrize(("samples", "weights", "winner", "tie"), [
+    ([S("a", "3"), S("a", "4"), S("b", "4")], None, "4", None),
+    ([S("a", "3", -0.5), S("b", "4", -0.2)], None, "4", "log-probability"),  # a tie: the likelier answer
+    ([S("a", "3"), S("b", "4")], None, "3", "first seen"),  # no log-probabilities: the first seen
+    ([S("a", "3"), S("b", "4"), S("b", "4")], {"a": 3.0, "b": 1.0}, "3", None),  # weights count
+    ([S("a", ""), S("a", ""), S("b", "5")], None, "5", None),  # no answer: no vote
+    ([S("a", ""), S("b", "")], None, "", None),
+])
+def test_voting_table(samples: list[Sample], weights: dict[str, float] | None, winner: str, tie: str | None) -> None:
+    t = tally(samples, weights)
+    assert (t.winner, t.tie_broken_by) == (winner, tie)
+    assert t.drawn == len(samples) and t.votes == sum(bool(s.answer) for s in samples)
+
+
+def test_the_reply_is_the_likeliest_sample_of_the_winning_answer() -> None:
+    samples = [S("a", "4", -0.9), S("a", "4", -0.1), S("b", "3", 0.0)]
+    best = best_sample(samples, tally(samples).winner)
+    assert best is samples[1]
+    assert agreement(samples) == (pytest.approx(2 / 3), "4")
+    assert agreement([S("a", ""), S("a", "4")]) == (0.5, "4")  # no answer counts against agreement
+
+
+@pytest.mark.parametrize(("stream", "total", "rule", "stops_after"), [
+    ("aaaaaaaaaaaaaaaa", 16, "beta", 4),  # 4 of 4: P = 0.969 >= 0.95
+    ("aaabaaaaaaaaaaaa", 16, "beta", 8),  # 3 to 1 is not settled (0.81); 7 to 1 is
+    ("aaaaaaaaaaaaaaaa", 16, "majority", 12),  # a lead of 12 cannot be caught by the 4 left
+    ("abababababababab", 16, "beta", 16),  # never settled: every sample
+    ("aaaaaaaaaaaaaaaa", 16, "none", 16),
+])
+def test_stopping_rules_on_answer_streams(stream: str, total: int, rule: str, stops_after: int) -> None:
+    drawn = 0
+    for drawn in range(4, total + 1, 4):  # batches of 4
+        t = tally([S("m", a) for a in stream[:drawn]])
+        if settled(t, total - drawn, rule)[0]:
+            break
+    assert drawn == stops_after
+
+
+def test_beta_confidence() -> None:
+    assert beta_confidence(4, 0) == pytest.approx(1 - 0.5 ** 5)
+    assert beta_confidence(3, 1) == pytest.approx(0.8125)
+    assert beta_confidence(2, 2) == pytest.approx(0.5)
+
+
+# ---- served, over fake members ----
+
+RIGHT, WRONG, OTHER = "Step by step. The answer is 42.", "Hmm. The answer is 41.", "So the answer is 7."
+
+
+@pytest.fixture(scope="module")
+def fakes() -> dict[str, FakeEngine]:
+    return {
+        # four samples of "sure": 42, 42, 42, 41 (cycling); of "torn": 7, 41, 7, 41; of "mute": no answer
+        "sure": FakeEngine("sure", replies=[RIGHT, RIGHT, RIGHT, WRONG], sharpness=100.0, max_model_len=4000),
+        "torn": FakeEngine("torn", replies=[OTHER, WRONG], sharpness=100.0, max_model_len=4000),
+        "mute": FakeEngine("mute", replies=["I cannot say."], sharpness=100.0, max_model_len=4000),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
+    config = {"models": [{"name": n, "engine": "fake"} for n in fakes],
+              "ensembles": [{"name": "sc", "strategy": "answer_vote", "members": ["sure"], "samples": 4,
+                             "answer": "number"}]}
+    with gateway(ChorusConfig.model_validate(config), engines=dict(fakes), timeout=120) as srv:
+        yield srv
+    assert all(e.active_sessions == 0 for e in fakes.values())
+
+
+@pytest.fixture
+def client(server: LiveServer, fakes: dict[str, FakeEngine]) -> openai.OpenAI:
+    for f in fakes.values():
+        f.opened = 0  # each test starts each fake at its first reply
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client: openai.OpenAI, ensemble: dict[str, Any], model: str = "ensemble", **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "How many apples are left?"}],
+        extra_body={"ensemble": {"trace": True, **ensemble}}, **kw)
+
+
+def test_self_consistency_of_one_member_votes_on_answers(client: openai.OpenAI) -> None:
+    r = ask(client, {}, model="sc")
+    trace = r.model_extra["ensemble"]
+    assert r.choices[0].message.content == RIGHT  # the whole text of a sample that gives the winning answer
+    assert trace["histogram"] == {"42": 3, "41": 1} and trace["drawn"] == 4
+    assert [s["answer"] for s in trace["samples"]] == ["42", "42", "42", "41"]
+    assert trace["winner"]["answer"] == "42" and "3 of 4 votes" in trace["reason"]
+    assert trace["answer_type"] == "number" and trace["usage"]["calls"] == 1  # one request of n = 4
+
+
+def test_two_members_vote_together_and_n_gives_distinct_answers(client: openai.OpenAI) -> None:
+    r = ask(client, {"strategy": "answer_vote", "members": ["torn", "sure"], "samples": 4}, n=3)
+    trace = r.model_extra["ensemble"]
+    assert trace["histogram"] == {"41": 3, "42": 3, "7": 2}
+    assert trace["answer_type"] == "number" and trace["answer_rule"] == "'how many' / 'how much'"
+    # 41 and 42 tie at 3 votes: the likelier samples' answer wins (the trace says so); n = 3: each answer's best
+    assert trace["winner"]["answer"] in ("41", "42") and "tie broken by" in trace["reason"]
+    assert {c.message.content for c in r.choices} == {RIGHT, WRONG, OTHER}
+    assert trace["histogram"][trace["winner"]["answer"]] == 3
+
+
+def test_adaptive_sampling_stops_when_settled(client: openai.OpenAI, fakes: dict[str, FakeEngine]) -> None:
+    fakes["sure"].replies = [RIGHT]
+    try:
+        r = ask(client, {"strategy": "answer_vote", "members": ["sure"], "samples": 16, "batch": 4, "stop": "beta"})
+    finally:
+        fakes["sure"].replies = [RIGHT, RIGHT, RIGHT, WRONG]
+    trace = r.model_extra["ensemble"]
+    assert trace["drawn"] == 4 and trace["stopped"].startswith("Beta rule")
+    fixed = ask(client, {"strategy": "answer_vote", "members": ["torn"], "samples": 8, "batch": 4, "stop": "beta"})
+    assert fixed.model_extra["ensemble"]["drawn"] == 8  # 7 and 41 stay tied: every sample
+
+
+def test_answer_vote_streams_and_serves_the_responses_api(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="sc", messages=[{"role": "user", "content": "How many apples are left?"}], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == RIGHT
+    resp = client.responses.create(model="sc", input="How many apples are left?")
+    assert resp.output_text == RIGHT
+
+
+def test_no_extractable_answer_returns_a_sample(client: openai.OpenAI) -> None:
+    r = ask(client, {"strategy": "answer_vote", "members": ["mute"], "samples": 2})
+    assert r.choices[0].message.content == "I cannot say."
+    assert "no sample gave an extractable answer" in r.model_extra["ensemble"]["reason"]
+
+
+def test_consistency_select_answers_with_the_member_that_agrees_with_itself(client: openai.OpenAI) -> None:
+    r = ask(client, {"strategy": "consistency_select", "members": ["torn", "sure"], "samples": 4})
+    trace = r.model_extra["ensemble"]
+    assert trace["winner"] == {"member": "sure", "answer": "42"} and r.choices[0].message.content == RIGHT
+    assert trace["members"]["sure"]["agreement"] == 0.75 and trace["members"]["torn"]["agreement"] == 0.5
+    tie = ask(client, {"strategy": "consistency_select", "members": ["torn", "torn"], "samples": 2,
+                       "accuracy": [0.2, 0.6]})
+    assert tie.model_extra["ensemble"]["winner"]["member"] == "torn#2"
+    assert "prior accuracy" in tie.model_extra["ensemble"]["reason"]
+
+
+def test_agreement_cascade_thresholds_round_trip_through_the_artifact(client: openai.OpenAI,
+                                                                       tmp_path: Path) -> None:
+    # train rows: the small model's samples, the large one's, the reference; the small one is right when sure
+    rows = [{"members": [["42"] * 4, ["42"] * 4], "reference": "42"},
+            {"members": [["1", "2", "3", "1"], ["5"] * 4], "reference": "5"},
+            {"members": [["9", "9", "9", "8"], ["9"] * 4], "reference": "9"}]
+    fit = fit_thresholds(rows, target=1.0)
+    assert fit.thresholds == [0.75] and fit.accuracy == 1.0 and fit.escalated == pytest.approx(1 / 3)
+    path = tmp_path / "cascade.json"
+    write_artifact(path, ["sure", "torn"], fit, answer="number", samples=4, source="test rows")
+    assert json.loads(path.read_text())["thresholds"] == [0.75]
+    r = ask(client, {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement",
+                     "answer": "number", "samples": 4, "artifact": str(path)})
+    steps = r.model_extra["ensemble"]["steps"]
+    assert steps[0]["member"] == "sure" and steps[0]["decision"].startswith("accepted: confidence 0.7500 >= 0.75")
+    assert r.choices[0].message.content == RIGHT
+    low = ask(client, {"strategy": "cascade", "members": ["torn", "sure"], "confidence": "agreement",
+                       "answer": "number", "samples": 4, "threshold": 0.75})
+    assert [s["member"] for s in low.model_extra["ensemble"]["steps"]] == ["torn", "sure"]
+
+
+@pytest.mark.parametrize(("ensemble", "param", "words"), [
+    ({"strategy": "answer_vote", "members": ["sure"], "samples": 65}, "ensemble.samples", "less than or equal"),
+    ({"strategy": "answer_vote", "members": ["sure"], "samples": 0}, "ensemble.samples", "greater than or equal"),
+    ({"strategy": "answer_vote", "members": ["sure"], "stop": "sometimes"}, "ensemble.stop", "none, majority"),
+    ({"strategy": "answer_vote", "members": ["sure"], "samples": 4, "batch": 4, "stop": "beta"}, "ensemble.stop",
+     "more than one batch"),
+    ({"strategy": "answer_vote", "members": ["sure", "torn"], "weights": [1]}, "ensemble.weights", "2 non-negative"),
+    ({"strategy": "consistency_select", "members": ["sure", "torn"], "accuracy": [0.5, 1.5]}, "ensemble.accuracy",
+     "in [0, 1]"),
+    ({"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement", "threshold": 1.5},
+     "ensemble.threshold", "(0, 1]"),
+    ({"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement"}, "ensemble.threshold",
+     "exactly one of"),
+])
+def test_bad_answer_side_ensembles_are_400s_naming_the_field(client: openai.OpenAI, ensemble: dict[str, Any],
+                                                             param: str, words: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, ensemble)
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == param and words in body["message"]
+
+
+def test_an_artifact_for_other_members_is_a_400(client: openai.OpenAI, tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"members": ["big", "small"], "thresholds": [0.5]}))
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement",
+                     "artifact": str(path)})
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "ensemble.artifact" and "fitted for members" in body["message"]
+
+
+def test_n_above_the_samples_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, {"strategy": "answer_vote", "members": ["sure"], "samples": 2}, n=3)
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "n"
