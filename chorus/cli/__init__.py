@@ -148,6 +148,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.llama_agreement:main",
         "chorus.bench.llama_agreement:add_arguments",
     ),
+    ("bench", "answers"): Command(
+        "answer-side ensembles on GSM8K from cached answers: self-consistency, vote, selection, agreement cascade",
+        "chorus.bench.answers:main",
+        "chorus.bench.answers:add_arguments",
+        config=False,
+    ),
     ("bench", "structured"): Command(
         "constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
         "chorus.bench.structured:main",

@@ -243,3 +243,36 @@ def test_n_above_the_samples_is_a_400(client: openai.OpenAI) -> None:
         ask(client, {"strategy": "answer_vote", "members": ["sure"], "samples": 2}, n=3)
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == "n"
+
+
+def test_bench_answers_replays_the_strategies_on_a_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`chorus bench answers` over a written cache: the small model is right when its samples agree; the large
+    one always; every row is reported on test with its cost, the cascade's threshold fitted on train."""
+    import argparse
+
+    from chorus.bench import answers
+
+    def rows(model: str, split: str) -> list[dict[str, Any]]:
+        out = []
+        for i in range(12):
+            sure = i % 3 != 0  # the small model agrees with itself on 2 items of 3, and is right then
+            small = ["5"] * 4 if sure else ["1", "2", "1", "3"]
+            answers_ = (small if model == "s" else ["5"] * 4)
+            out += [{"item": i, "kind": "greedy", "seed": None, "reference": "5", "seconds": 1.0,
+                     "choices": [{"answer": answers_[0], "tokens": 10}]},
+                    {"item": i, "kind": "sample", "seed": 1, "reference": "5", "seconds": 2.0 if model == "s" else 6.0,
+                     "choices": [{"answer": a, "tokens": 10} for a in answers_]}]
+        return out
+
+    for split in ("train", "test"):
+        for model in ("s", "l"):
+            (tmp_path / split).mkdir(exist_ok=True)
+            (tmp_path / split / f"{model}.jsonl").write_text("\n".join(json.dumps(r) for r in rows(model, split)))
+    args = argparse.Namespace(cache=str(tmp_path), small="s", large="l", k_small=4, k_large=4, keep=1.0,
+                              figure_data=str(tmp_path / "fig.json"))
+    assert answers.main(args) == 0
+    table = capsys.readouterr().out
+    assert "n=12 items" in table and "best member on train: l greedy" in table
+    fitted = next(line for line in table.splitlines() if "tau fitted" in line)
+    assert "(1;" in fitted and "| 100.0 [" in fitted and "| 33% |" in fitted  # escalates only the unsure third
+    assert json.loads((tmp_path / "fig.json").read_text())["n"] == 12
