@@ -210,21 +210,24 @@ class LlamaCppEngine(SessionEngine):
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
                                options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
-        """``n`` sequences of one prompt, opened together (they take their sequence ids together) and prefilled
-        in the same batches; more than the context's sequences (``max_batch_size``) could never be held at once
-        (the request would wait for itself), so that is a 400, as on the transformers engine."""
+        """``n`` sequences of one prompt: the prompt is prefilled once, in the first, and its KV cells are copied
+        into the others (``llama_memory_seq_cp``: one copy of the sequence's cells, no compute), so n samples cost
+        one prefill and n decodes. They are opened together (they take their sequence ids together); more than
+        the context's sequences (``max_batch_size``) could never be held at once (the request would wait for
+        itself), so that is a 400, as on the transformers engine."""
         if n > self.spec.max_batch_size:
             raise InvalidRequest(f"n={n} exceeds the engine's batch size {self.spec.max_batch_size}", param="n")
         if n == 1:
             return await super().prefill_sessions(prompt_ids, n, options)
         sessions = [self.open_session() for _ in range(n)]
         try:
-            rows = await asyncio.gather(*(s.prefill(prompt_ids) for s in sessions))
+            row = await sessions[0].prefill(prompt_ids)
+            await self.runner.fork(sessions[0], sessions[1:])
         except BaseException:
             for s in sessions:
                 s.close()
             raise
-        return list(zip(sessions, rows))
+        return [(s, row) for s in sessions]
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """The whole prompt in one session: its first token, then the rest as one extend (every token's

@@ -388,6 +388,32 @@ class LlamaRunner:
                     w.future.set_result(torch.cat(w.rows) if len(w.rows) > 1 else w.rows[0])
                     served.append(s)
 
+    async def fork(self, source: LlamaSession, copies: Sequence[LlamaSession]) -> None:
+        """Give each of ``copies`` (open, not prefilled; they took their sequence ids with ``source``, as one
+        request's sessions do) the KV cells of the prefilled ``source``: ``llama_memory_seq_cp`` on the decode
+        thread, between decodes (with the cache split per sequence, llama.cpp copies the source's cells into the
+        other sequence's own buffer at the next decode). Each copy then decodes from the same position, exactly as
+        if it had prefilled the prompt alone."""
+        if not source.prefilled or source.seq is None:
+            raise InvalidRequest("fork needs a prefilled source sequence")
+        pairs = []
+        for c in copies:
+            if c.prefilled or c.work is not None or c.closed or c.seq is None:
+                raise InvalidRequest("fork copies must be open, not prefilled, and hold a sequence id")
+            pairs.append((source.seq, c.seq))
+        await asyncio.get_running_loop().run_in_executor(self.thread, self._copy, pairs)
+        for c in copies:
+            c.length = source.length
+            c.prefilled = True
+            if c not in self.decoding:
+                self.decoding.append(c)
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """On the decode thread: each destination sequence's cells replaced by a copy of the source's."""
+        for src, dst in pairs:
+            self.lib.llama_memory_seq_rm(self.mem, dst, -1, -1)
+            self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
     def _apply_removals(self, trims: list[tuple[int, int]] | None = None) -> None:
         """On the decode thread: clear closed sessions' sequences and cut rolled-back ones."""
         for seq, keep in trims or []:

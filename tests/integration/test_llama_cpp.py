@@ -332,12 +332,14 @@ async def test_a_persistent_thread_pool_per_thread_count(engine: LlamaCppEngine)
     assert other.pools is not None and other.pools.pools == [] and other.ctx is None
 
 
-async def test_without_ggml_libraries_to_bind_decodes_start_their_own_threads(
-        engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
-    import llama_cpp
+async def test_without_ggml_calls_to_bind_decodes_start_their_own_threads(
+        engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from chorus.engines import llama_threads
 
-    monkeypatch.setattr(llama_cpp.llama_cpp, "_base_path", tmp_path)  # a build whose libraries lie elsewhere
+    def unbound(lib: object) -> None:  # a build whose libllama does not reach ggml's thread-pool calls
+        raise AttributeError("undefined symbol: ggml_threadpool_new")
+
+    monkeypatch.setattr(llama_threads, "_ggml", unbound)
     other = LlamaCppEngine.load(SPEC.model_copy(update={"max_batch_size": 2}))
     await other.start()
     try:
@@ -345,6 +347,22 @@ async def test_without_ggml_libraries_to_bind_decodes_start_their_own_threads(
         assert (await greedy(other, PROMPTS[2]))[0] == (await greedy(engine, PROMPTS[2]))[0]
     finally:
         await other.aclose()
+
+
+async def test_n_samples_share_one_prefill_and_equal_separate_ones(engine: LlamaCppEngine) -> None:
+    """n choices: the prompt is prefilled once and its cells copied into the other sequences; each choice equals
+    the same choice drawn alone (choice i is seeded seed + i), greedy and sampled."""
+    ids = engine.tokenizer.encode("Write a short poem about the sea.")
+    for params in (SamplingParams(temperature=0.0, max_tokens=16, n=3),
+                   SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=16, n=3)):
+        steps = engine.runner.steps
+        together = await engine.generate(GenerationRequest(prompt_ids=ids, params=params))
+        assert engine.runner.steps - steps <= 1 + 16  # one prefill decode, then the three decode together
+        alone = [await engine.generate(GenerationRequest(prompt_ids=ids, params=replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i))) for i in range(3)]
+        assert [c.text for c in together.choices] == [g.choices[0].text for g in alone]
+        assert together.prompt_tokens == len(ids)
+    assert await released(engine)
 
 
 # through the HTTP API ----------------------------------------------------------------------------------------
