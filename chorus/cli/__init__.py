@@ -154,6 +154,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.answers:add_arguments",
         config=False,
     ),
+    ("bench", "samples"): Command(
+        "k samples of one prompt (one prefill, copied) against one sample on one engine: wall time",
+        "chorus.bench.samples:main",
+        "chorus.bench.samples:add_arguments",
+    ),
     ("bench", "structured"): Command(
         "constrained decoding: grammar libraries' mask cost, tokens/s with vs without",
         "chorus.bench.structured:main",

@@ -17,7 +17,6 @@ training context, capped at 4096; at most ``n_ctx / max_batch_size``).
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import os
