@@ -34,7 +34,7 @@ class Limits(BaseModel):
     max_choices: int = Field(default=32, ge=1, description="choices per /v1/choices request")
     max_members: int = Field(default=16, ge=2, description="members per ensemble")
     max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
-    max_candidates: int = Field(default=64, ge=1, description="crowd_vote candidates (given or sampled)")
+    max_candidates: int = Field(default=64, ge=1, description="candidates per ensemble request (crowd_vote: given or sampled; answer_vote, consistency_select: samples)")
     max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503")
     max_stored_responses: int = Field(default=1000, ge=0, description="/v1/responses kept in memory (oldest "
                                       "dropped first) for GET and previous_response_id")

@@ -147,7 +147,7 @@ def test_deadline(server: LiveServer, fakes: dict[str, FakeEngine]) -> None:
     ({"messages": [{"role": "user", "content": "q"}] * 5}, "At most 4 messages"),
     ({"ensemble": {"strategy": "crowd_vote", "members": ["fake"] * 4}}, "At most 3 ensemble members"),
     ({"ensemble": {"strategy": "exchange_of_thought", "members": ["fake"] * 2, "max_rounds": 3}}, "max_rounds"),
-    ({"ensemble": {"strategy": "crowd_vote", "candidates": ["a"] * 5}}, "At most 4 crowd_vote candidates"),
+    ({"ensemble": {"strategy": "crowd_vote", "candidates": ["a"] * 5}}, "At most 4 candidates (given or sampled)"),
     ({"ensemble": {"strategy": "crowd_vote", "members": ["fake"] * 3, "samples_per_member": 2}}, "candidates"),
 ])
 def test_request_limits(server: LiveServer, extra: dict[str, Any], match: str) -> None:
