@@ -53,7 +53,16 @@ async def run(args: argparse.Namespace) -> str:
     from chorus.engines.transformers_engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
-    base = load_config(args.config).model(args.model)
+    config = load_config(args.config)
+    base = config.model(args.model)
+    if base.engine == "llama_cpp":  # the transformers side: the entry of the config with the same GGUF
+        twins = [m for m in config.models if m.engine == "transformers" and m.source == base.source and
+                m.path == base.path and m.derive is None]
+        if not twins:
+            where = base.source or base.path
+            raise SystemExit(f"{args.model}: no transformers entry of the config has its GGUF ({where}) to compare "
+                             "with; add one (chorus models prepare dequantizes it)")
+        base = twins[0]
     tf = TransformersEngine.load(base)
     ll = LlamaCppEngine.load(ModelSpec(name=f"{base.name}-llama", engine="llama_cpp", source=base.source,
                                        path=None if base.source else base.path, max_batch_size=4,
@@ -114,7 +123,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="a config model with a GGUF source, prepared")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a config model whose source is a GGUF (transformers entry, prepared, or an engine: llama_cpp "
+                        "entry with a transformers twin)")
     p.add_argument("--data-dir", default="../shared/data", help="holds arc-easy/test.jsonl and piqa/validation.jsonl")
     p.add_argument("--items", type=int, default=200, help="items per accuracy set")
     p.add_argument("--probe", type=int, default=50, help="question + answer texts in the probe set")
