@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
                      f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | "
                      f"{np.mean([o.samples for o in out]):.1f} | {np.mean([o.tokens for o in out]):.0f} | {secs:.1f} | "
                      f"{100 * np.mean([o.large for o in out]):.0f}% |")
-        figure.append({"row": label, "accuracy": float(right.mean()), "seconds": secs})
+        figure.append({"row": label, "accuracy": float(right.mean()), "ci": [lo, hi], "seconds": secs,
+                       "single": not any(o.large for o in out) or label.startswith(large)})
     lo, hi = S.accuracy_interval(oracle)
     lines.append(f"| oracle: some member's greedy answer is right | {100 * oracle.mean():.1f} [{100 * lo:.1f}, "
                  f"{100 * hi:.1f}] | | | | | | |")
