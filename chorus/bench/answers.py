@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from chorus.clients import eval_stats as S
-from chorus.ensembles.voting import Sample, agreement, settled, tally
+from chorus.ensembles.voting import agreement, from_answers, settled, tally
 from chorus.training.cascade import fit_thresholds, same
 
 
@@ -87,7 +87,7 @@ def first(it: Item, m: str, k: int) -> tuple[list[str], float, float]:
 
 
 def majority(answers: list[str]) -> str:
-    return tally([Sample("m", "", a) for a in answers]).winner
+    return tally(from_answers(answers)).winner
 
 
 def greedy(m: str) -> Callable[[Item], Outcome]:
@@ -110,7 +110,7 @@ def adaptive(m: str, k: int, rule: str = "beta") -> Callable[[Item], Outcome]:
             answers += b.answers
             tokens += b.tokens
             seconds += b.seconds
-            if len(answers) >= k or settled(tally([Sample("m", "", a) for a in answers]), k - len(answers), rule)[0]:
+            if len(answers) >= k or settled(tally(from_answers(answers)), k - len(answers), rule)[0]:
                 break
         return Outcome(same(majority(answers[:k]), it.reference), len(answers[:k]), tokens, seconds)
     return run
@@ -137,7 +137,7 @@ def select(ks: dict[str, int], prior: dict[str, float]) -> Callable[[Item], Outc
             a, t, s = first(it, m, k)
             tokens += t
             seconds += s
-            share, answer = agreement([Sample(m, "", x) for x in a])
+            share, answer = agreement(from_answers(a))
             stats.append((share, prior.get(m, 0.0), answer))
         share, _, answer = max(stats, key=lambda x: (x[0], x[1]))  # ties: the higher prior, then the earlier
         return Outcome(same(answer, it.reference), sum(ks.values()), tokens, seconds, large=True)
@@ -147,7 +147,7 @@ def select(ks: dict[str, int], prior: dict[str, float]) -> Callable[[Item], Outc
 def cascade(small: str, large: str, k: int, tau: float, last: str = "sc") -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
         a, tokens, seconds = first(it, small, k)
-        share, answer = agreement([Sample(small, "", x) for x in a])
+        share, answer = agreement(from_answers(a))
         if share >= tau:
             return Outcome(same(answer, it.reference), k, tokens, seconds)
         if last == "greedy":

@@ -121,9 +121,9 @@ def check_stop(p: DrawParams) -> None:
                              param="ensemble.stop")
 
 
-def choices(call: Call, samples: list[Sample], t: Tally) -> list[Delta]:
-    """The reply (``n`` choices: each answer's best sample in vote order, then the rest)."""
-    ranked = ranked_samples(samples, t) or samples
+def choices(call: Call, ranked: list[Sample]) -> list[Delta]:
+    """The reply: the first ``n`` of the samples as `voting.ranked_samples` orders them (each answer's best sample
+    in vote order, then the rest; by likelihood when no sample gave an answer)."""
     if len(ranked) < call.n:
         raise InvalidRequest(f"n={call.n} but only {len(ranked)} samples were drawn; raise 'samples'.", param="n")
     return [Delta(i, s.text, finish_reason=s.finish_reason) for i, s in enumerate(ranked[:call.n])]
@@ -164,16 +164,14 @@ class AnswerVote(Strategy):
             done, stopped = settled(t, remaining, p.stop, p.confidence)
             if done:
                 break
-        samples = d.all()
-        if not samples:
+        ranked = ranked_samples(d.all(), t)
+        if not ranked:
             call.survivors([], self.members)  # every member failed: raises with their errors
         call.trace.update(d.trace(t, stopped))
-        call.trace.update({"winner": {"answer": t.winner, "member": (ranked_samples(samples, t) or samples)[0].member},
+        call.trace.update({"winner": {"answer": t.winner, "member": ranked[0].member},
                            "reason": (f"answer {t.winner!r} has {t.counts[t.winner]:g} of {t.votes} votes"
                                       + (f" (tie broken by {t.tie_broken_by})" if t.tie_broken_by else "")
                                       if t.winner else "no sample gave an extractable answer: the most likely "
                                       "sample is returned")})
-        if not t.winner:
-            samples = sorted(samples, key=lambda s: -(s.mean_logprob or float("-inf")))
-        for delta in choices(call, samples, t):
+        for delta in choices(call, ranked):
             yield delta

@@ -27,7 +27,7 @@ from chorus.ensembles.answer_vote import Drawer, DrawParams
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
 from chorus.ensembles.metrics import CASCADE_STEPS
-from chorus.ensembles.voting import Sample, agreement, best_sample
+from chorus.ensembles.voting import Sample, agreement, ranked_samples, tally
 from chorus.errors import InvalidRequest
 
 
@@ -42,10 +42,6 @@ class CascadeParams(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="agreement: sampling temperature")
     answer: Literal["number", "choice", "yes_no", "text", "auto"] = Field(
         default="text", description="agreement: what must agree")
-
-
-def normalised(text: str) -> str:
-    return " ".join(text.lower().split())
 
 
 def read_artifact(path: str, members: list[str]) -> list[float]:
@@ -69,10 +65,9 @@ def agreed_choice(samples: list[Sample]) -> tuple[float, Choice] | None:
     """Agreement and the majority answer's most likely sample, as a choice; None when nothing was drawn."""
     if not samples:
         return None
-    share, answer = agreement(samples)
-    best = best_sample(samples, answer) if answer else max(samples, key=lambda s: s.mean_logprob or float("-inf"))
-    assert best is not None
-    return share, Choice(0, best.text, [], best.finish_reason)
+    t = tally(samples)
+    best = ranked_samples(samples, t)[0]  # the majority's likeliest sample (the likeliest, when none answered)
+    return agreement(samples, t)[0], Choice(0, best.text, [], best.finish_reason)
 
 
 class Cascade(Strategy):

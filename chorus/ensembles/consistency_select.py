@@ -21,7 +21,7 @@ from chorus.engines.base import Delta
 from chorus.ensembles.answer_vote import Drawer, DrawParams, check_stop, choices
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather
-from chorus.ensembles.voting import agreement, settled, tally
+from chorus.ensembles.voting import agreement, ranked_samples, settled, tally
 from chorus.errors import InvalidRequest
 
 
@@ -75,13 +75,13 @@ class ConsistencySelect(Strategy):
         drew = [m for m in self.members if d.samples.get(m.label)]
         if not drew:
             call.survivors([], self.members)  # every member failed: raises with their errors
-        stats = [(m.label, *agreement(d.samples[m.label])) for m in drew]
+        tallies = {m.label: tally(d.samples[m.label]) for m in drew}
+        stats = [(label, *agreement(d.samples[label], t)) for label, t in tallies.items()]
         label, why = choose(stats, self.accuracy)
-        mine = d.samples[label]
-        t = tally(mine)
-        per: dict[str, Any] = {s[0]: {"agreement": s[1], "answer": s[2], "drawn": len(d.samples[s[0]]),
-                                      "histogram": dict(tally(d.samples[s[0]]).ranked())} for s in stats}
+        t = tallies[label]
+        per: dict[str, Any] = {s[0]: {"agreement": s[1], "answer": s[2], "drawn": tallies[s[0]].drawn,
+                                      "histogram": dict(tallies[s[0]].ranked())} for s in stats}
         call.trace.update(d.trace(tally(d.all()), "per member"))
         call.trace.update({"members": per, "winner": {"member": label, "answer": t.winner}, "reason": why})
-        for delta in choices(call, mine, t):
+        for delta in choices(call, ranked_samples(d.samples[label], t)):
             yield delta

@@ -47,6 +47,11 @@ class Sample:
             self.canonical = self.answer
 
 
+def from_answers(answers: Sequence[str], member: str = "") -> list[Sample]:
+    """Bare extracted answers (no text, no log-probabilities) as samples: what offline replays and fits vote on."""
+    return [Sample(member, "", a) for a in answers]
+
+
 @dataclass
 class Tally:
     """The histogram of answers (canonical answer -> weight, in first-seen order) and its winner."""
@@ -115,10 +120,10 @@ def ranked_samples(samples: Sequence[Sample], t: Tally) -> list[Sample]:
     return firsts + rest
 
 
-def agreement(samples: Sequence[Sample]) -> tuple[float, str]:
+def agreement(samples: Sequence[Sample], t: Tally | None = None) -> tuple[float, str]:
     """(share of the samples that give the majority answer, that answer); (0, "") when none gave one. The share
-    is over every sample drawn: a sample with no answer counts against agreement."""
-    t = tally(samples)
+    is over every sample drawn: a sample with no answer counts against agreement. ``t``: their tally, if made."""
+    t = t if t is not None else tally(samples)
     if not t.winner or not samples:
         return 0.0, ""
     return t.counts[t.winner] / len(samples), t.winner

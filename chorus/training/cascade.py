@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chorus.ensembles.voting import Sample, agreement
+from chorus.ensembles.voting import agreement, from_answers
 
 
 def same(a: str, b: str) -> bool:
@@ -65,7 +65,7 @@ def member_stats(rows: list[dict[str, Any]], compare: Callable[[str, str], bool]
     for r in rows:
         item = []
         for answers in r["members"]:
-            share, answer = agreement([Sample("m", "", a) for a in answers])
+            share, answer = agreement(from_answers(answers))
             item.append((share, compare(answer, r["reference"])))
         out.append(item)
     return out
