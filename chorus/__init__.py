@@ -1,17 +1,19 @@
 """chorus: an OpenAI-compatible LLM inference gateway with ensemble and routing backends.
 
-The distribution is ``chorus-gateway``; the one import package is ``chorus``. The repository keeps
-one folder per layer and installs it under this package (``server/`` -> ``chorus.server`` ...):
+The distribution is ``chorus-gateway``; the one import package is ``chorus``, and its folders are its layers (an
+import path is a file path), top to bottom:
 
-    chorus.cli       the ``chorus`` command: one table of lazily imported subcommands
-    chorus.bench     in-process benchmarks and tools (engine, ensembles, families, route calibration)
-    chorus.server    HTTP only: app, OpenAI protocol, routes, auth, limits, metrics, session API
-    chorus.config    the application's one config file (models, ensembles, workers, keys, limits)
-    chorus.ensembles strategies over engines
-    chorus.engines   where tokens come from (batching engine, remote workers, fake engine)
-    chorus.engines.families   model families (MoE, MoDr, grafting) and the KV cache they share
-    chorus.errors    the one exception tree (every error the server can return)
-    chorus.clients   HTTP clients only (eval, load and gateway benches); imports nothing else of chorus
+    chorus.cli        the ``chorus`` command: one table of lazily imported subcommands
+    chorus.bench      in-process benchmarks and tools (engine, llama, ensembles, families, answers, ...)
+    chorus.server     HTTP only: the app, the APIs' request and reply shapes, routes, the one step that
+                      resolves a request's model for its key, auth, limits, metrics, the session API
+    chorus.config     the application's one config file (models, ensembles, workers, keys, limits)
+    chorus.training   training loops and fits (MoE, MoDr, ReasonFormer, DUMA, selectors, cascades)
+    chorus.clients    HTTP clients (eval, load and gateway benches); of chorus only ``ensembles.answers``
+    chorus.ensembles  strategies over engines, routers, answer types and extraction
+    chorus.engines    where tokens come from: one sub-package per engine kind over ``engines.core``, then the
+                      model families and the run-time parts they share
+    chorus.errors     the one exception tree (every error the server can return)
 
 An import never goes up this list (import-linter contracts in pyproject.toml, checked in CI).
 """

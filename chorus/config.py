@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.spec import ModelSpec
 from chorus.ensembles.base import register, strategy_class
 from chorus.ensembles.spec import NamedEnsemble
 from chorus.errors import ConfigError, GatewayError
@@ -194,16 +194,16 @@ class ChorusConfig(BaseModel):
                 raise ValueError(f"ensemble {e.name!r}: cannot import strategy {e.strategy!r}: {exc}") from None
         return self
 
-    def served(self, ready: Callable[[ModelSpec], bool]) -> tuple[ChorusConfig, list[str]]:
+    def served(self, not_ready: Callable[[ModelSpec], str | None]) -> tuple[ChorusConfig, list[str]]:
         """The config ``chorus serve`` serves, and one line per thing it leaves out: an optional model that is
-        not ``ready`` (prepared), and a named ensemble with a member left out. Everything else is kept, so a
+        not ready (``not_ready`` says why: not prepared, its engine's library missing), and a named ensemble with a member left out. Everything else is kept, so a
         non-optional model that cannot be prepared still fails where it is prepared."""
         skipped: list[str] = []
         models = []
         for m in self.models:
-            if m.optional and not ready(m):
+            why = not_ready(m) if m.optional else None
+            if why:
                 how = m.add_with or f"chorus models prepare {m.name}"
-                why = "llama-cpp-python is not installed" if m.engine == "llama_cpp" else "not prepared"
                 skipped.append(f"{m.name}: optional and {why}, not served (add it with: {how})")
             else:
                 models.append(m)

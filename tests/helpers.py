@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import Engine
-from chorus.engines.spec import chorus_home
+from chorus.engines.core.base import Engine
+from chorus.engines.core.spec import chorus_home
 from chorus.server.app import create_app
 
 SMOL = "smollm2-135m-instruct"

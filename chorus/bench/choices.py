@@ -23,8 +23,8 @@ from pathlib import Path
 
 from chorus.clients.local import markdown_table
 from chorus.config import load_config
-from chorus.engines.registry import build_engine
-from chorus.engines.scoring import Split, by_prompt_logprobs, split_text
+from chorus.engines.core.registry import build_engine
+from chorus.engines.core.scoring import Split, by_prompt_logprobs, split_text
 
 
 def load_items(path: Path, limit: int) -> list[tuple[str, list[str]]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from chorus.clients.local import free_port, wait_ready
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.spec import ModelSpec
 
 PROMPT = "Write a long story about a dragon who learns to sing."
 _NONCE = itertools.count()
@@ -54,8 +54,8 @@ class Row:
 def _in_process(spec: ModelSpec, tokens: int, concurrency: int, rounds: int) -> list[Row]:
     import torch
 
-    from chorus.engines.base import GenerationRequest, SamplingParams
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
+    from chorus.engines.transformers.engine import TransformersEngine
 
     async def main() -> list[Row]:
         engine = TransformersEngine.load(spec)
@@ -221,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from chorus.config import load_config
-    from chorus.engines.prepare import prepare_model
+    from chorus.engines.core.registry import prepare_model
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

@@ -52,7 +52,7 @@ async def _member_step_time(engine: Any, ids: list[int], tokens: int) -> float:
 
 
 async def _ensemble_rate(ens: Any, ids: list[int], tokens: int) -> float:
-    from chorus.engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
 
     req = GenerationRequest(ids, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     t0 = time.perf_counter()
@@ -141,7 +141,7 @@ def bench_rouge(candidates: int, words: int, char_pairs: int, seed: int = 0) -> 
 # ---- 3. text-level strategies: concurrency ----
 
 async def bench_text_strategies(engines: dict[str, Any], max_tokens: int) -> str:
-    from chorus.engines.base import SamplingParams
+    from chorus.engines.core.base import SamplingParams
     from chorus.ensembles.base import Ensemble
     from chorus.ensembles.call import Prompt
     from chorus.ensembles.spec import EnsembleSpec
@@ -176,7 +176,7 @@ async def _run(args: argparse.Namespace) -> None:
     import torch
 
     from chorus.config import load_config
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.transformers.engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
     print(bench_rouge(args.candidates, args.words, args.char_pairs), flush=True)

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _decode_rate(engine: Any, tokens: int, streams: int, options: dict[str, Any] | None = None,
                        trace: bool = False) -> tuple[float, dict[str, Any]]:
-    from chorus.engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
 
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     traces: list[dict[str, Any] | None] = [{} if trace else None for _ in range(streams)]
@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
 
     from chorus.config import load_config
     from chorus.engines.families.moe import ExpertLoad
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.transformers.engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from chorus.clients.local import markdown_table
-from chorus.engines.base import GenerationRequest, SamplingParams, Session
-from chorus.engines.batching import BatchRunner
-from chorus.engines.generation import SessionEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams, Session
+from chorus.engines.core.generation import SessionEngine
+from chorus.engines.transformers.batching import BatchRunner
 
 SHAPES: dict[str, dict[str, Any]] = {
     "SmolLM2-135M": {"family": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,

@@ -72,9 +72,9 @@ def _servers(args: argparse.Namespace, gguf: Path, tmp: Path, llama_model: dict,
 
 def main(args: argparse.Namespace) -> int:
     from chorus.config import load_config
-    from chorus.engines.prepare import is_ready
-    from chorus.engines.sources import resolve_gguf
-    from chorus.engines.spec import chorus_home
+    from chorus.engines.core.registry import is_ready
+    from chorus.engines.core.sources import resolve_gguf
+    from chorus.engines.core.spec import chorus_home
 
     config = load_config(args.config)
     base = config.model(args.model)

@@ -48,9 +48,9 @@ def rows(path: Path, n: int) -> list[dict[str, Any]]:
 
 async def run(args: argparse.Namespace) -> str:
     from chorus.config import load_config
-    from chorus.engines.llama_cpp_engine import LlamaCppEngine
-    from chorus.engines.spec import ModelSpec
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.core.spec import ModelSpec
+    from chorus.engines.llama_cpp.engine import LlamaCppEngine
+    from chorus.engines.transformers.engine import TransformersEngine
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
@@ -64,9 +64,10 @@ async def run(args: argparse.Namespace) -> str:
                              "with; add one (chorus models prepare dequantizes it)")
         base = twins[0]
     tf = TransformersEngine.load(base)
-    ll = LlamaCppEngine.load(ModelSpec(name=f"{base.name}-llama", engine="llama_cpp", source=base.source,
-                                       path=None if base.source else base.path, max_batch_size=4,
-                                       max_model_len=2048, llama_cpp={"threads": args.threads}))
+    ll = LlamaCppEngine.load(ModelSpec.model_validate({
+        "name": f"{base.name}-llama", "engine": "llama_cpp", "source": base.source,
+        "path": None if base.source else base.path, "max_batch_size": 4, "max_model_len": 2048,
+        "llama_cpp": {"threads": args.threads}}))
     await tf.start()
     await ll.start()
     tok = tf.tokenizer

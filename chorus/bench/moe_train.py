@@ -70,9 +70,9 @@ async def decode_rates(path: Path, tokens: int, streams: int, rounds: int,
                        options: dict[str, Any] | None = None) -> dict[int, float]:
     """Decode tokens/s of the checkpoint at ``path`` on chorus's engine, at batch 1 and ``streams``, best of
     ``rounds``; ``options``: the model family's request options."""
-    from chorus.engines.base import GenerationRequest, SamplingParams
-    from chorus.engines.spec import ModelSpec
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
+    from chorus.engines.core.spec import ModelSpec
+    from chorus.engines.transformers.engine import TransformersEngine
 
     engine = TransformersEngine.load(ModelSpec(name=path.name, path=str(path)))
     await engine.start()

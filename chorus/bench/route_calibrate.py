@@ -34,7 +34,8 @@ def sample_prompts(path: Path, limit: int | None) -> list[str]:
 
 def calibrate(args: argparse.Namespace) -> str:
     from chorus.config import load_config
-    from chorus.ensembles.route import RouteParams, difficulty
+    from chorus.ensembles.routers.base import RouteParams
+    from chorus.ensembles.routers.cost import difficulty
     from chorus.ensembles.similarity import Embedder
 
     named = {e.name: e for e in load_config(args.config).ensembles}

@@ -26,9 +26,9 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
 async def run(args: argparse.Namespace) -> str:
     from chorus.bench.llama import paired_ratio
     from chorus.config import load_config
-    from chorus.engines.base import GenerationRequest, SamplingParams
-    from chorus.engines.generation import encode_prompt
-    from chorus.engines.registry import build_engine
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
+    from chorus.engines.core.generation import encode_prompt
+    from chorus.engines.core.registry import build_engine
 
     spec = load_config(args.config).model(args.model)
     if spec.max_batch_size < args.k:

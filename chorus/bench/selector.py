@@ -34,7 +34,7 @@ import numpy as np
 from chorus.clients import eval_stats as S
 from chorus.clients.eval_choices import member_answers, member_seconds
 from chorus.clients.local import markdown_table
-from chorus.ensembles.selection import artifact_path
+from chorus.ensembles.selector_model import artifact_path
 from chorus.training.selector import best_norms, correctness, data_hash, fit_router, fit_selector
 
 

@@ -170,9 +170,9 @@ CORPUS_PROMPT = "Make up a plausible example and answer with JSON only, matching
 def _corpus(spec: Any, max_tokens: int) -> list[str]:
     import jsonschema
 
-    from chorus.engines.base import Constraint, SamplingParams
-    from chorus.engines.generation import encode_prompt
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.core.base import Constraint, SamplingParams
+    from chorus.engines.core.generation import encode_prompt
+    from chorus.engines.transformers.engine import TransformersEngine
 
     async def main() -> list[str]:
         engine = TransformersEngine.load(spec)
@@ -204,9 +204,9 @@ def _corpus(spec: Any, max_tokens: int) -> list[str]:
 
 
 def _throughput(spec: Any, tokens: int, concurrency: int, rounds: int) -> list[str]:
-    from chorus.engines.base import Constraint, SamplingParams
-    from chorus.engines.generation import encode_prompt
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.core.base import Constraint, SamplingParams
+    from chorus.engines.core.generation import encode_prompt
+    from chorus.engines.transformers.engine import TransformersEngine
 
     async def main() -> list[str]:
         engine = TransformersEngine.load(spec)
@@ -256,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from chorus.config import load_config
-    from chorus.engines.prepare import prepare_model
+    from chorus.engines.core.registry import prepare_model
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

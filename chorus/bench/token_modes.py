@@ -93,7 +93,7 @@ async def run_system(pair: Pair, members: list[Any], per_prompt: list[list[list[
                      mode: str, who: int, gate: float, k: int) -> tuple[float, list[list[int]], Tally | None]:
     """tokens/s, each prompt's output, the mode's figures: ``mode`` is ``alone`` (member ``who``), ``union``
     (topk_union) or a logit_average mode led by ``who``; the prompts one after another."""
-    from chorus.engines.base import GenerationRequest
+    from chorus.engines.core.base import GenerationRequest
     from chorus.ensembles.logit_average import LogitAverage
     from chorus.ensembles.topk_union import TopkUnion
 
@@ -119,7 +119,7 @@ async def run_system(pair: Pair, members: list[Any], per_prompt: list[list[list[
 
 
 async def bench_pair(pair: Pair, engines: dict[str, Any], args: argparse.Namespace) -> list[list[str]]:
-    from chorus.engines.base import GenerationRequest, SamplingParams
+    from chorus.engines.core.base import GenerationRequest, SamplingParams
 
     members = [engines[m] for m in pair.members]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
@@ -167,8 +167,7 @@ async def _run(args: argparse.Namespace) -> str:
     import torch
 
     from chorus.config import load_config
-    from chorus.engines.prepare import is_ready
-    from chorus.engines.registry import build_engine
+    from chorus.engines.core.registry import build_engine, is_ready
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

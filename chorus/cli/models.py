@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from chorus.cli.serve import config_of
 
@@ -15,7 +14,7 @@ def prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from chorus.engines.prepare import prepare_model
+    from chorus.engines.core.registry import prepare_model
     from chorus.errors import GatewayError
 
     config = config_of(args)
@@ -35,31 +34,13 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def list_models(args: argparse.Namespace) -> int:
-    from chorus.engines.embedding import model_dir
-    from chorus.engines.prepare import is_prepared, is_ready
-    from chorus.engines.spec import chorus_home
+    from chorus.engines.core.registry import engine_kind
+    from chorus.engines.core.spec import chorus_home
 
     config = config_of(args)
     home = chorus_home()
     print(f"{'name':28} {'engine':12} {'device':7} {'state':12} location")
     for m in config.models:
-        d = m.checkpoint_dir(home)
-        if m.engine == "fake":
-            state = "built-in"
-        elif m.engine == "llama_cpp":  # the GGUF as it is: ready once llama-cpp-python is installed
-            state = "ready" if is_ready(m) else "optional" if m.optional else "missing"
-            d = Path(str(m.source or m.path))  # named, not resolved: a split GGUF would be joined to list it
-        elif m.engine == "embedding":  # a sentence-transformers directory, or the package that carries one
-            try:
-                d = Path(model_dir(m))
-                state = "ready" if d.is_dir() else "missing"
-            except Exception:  # its package is not installed, or the source is not one chorus knows
-                d, state = Path(str(m.source or m.path)), "missing"
-        elif m.needs_prepare:
-            state = "prepared" if is_prepared(d) else "optional" if m.optional else "not prepared"
-        else:
-            state = "local" if (d / "config.json").is_file() else "missing"
-        print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {d if m.engine != 'fake' else '-'}")
+        state, where = engine_kind(m.engine).state(m, home)
+        print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {where}")
     return 0
-
-

@@ -42,14 +42,10 @@ def configure_logging(json_format: bool, level: str) -> None:
     root.setLevel(level.upper())
 
 
-#: engines that run no torch forward in this process: where they are all that is served, torch gets one thread
-LIGHT_TORCH = frozenset({"llama_cpp", "remote", "fake"})
-
-
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from chorus.engines.prepare import is_prepared, is_ready, prepare_model
+    from chorus.engines.core.registry import engine_kind, not_ready, prepare_model
     from chorus.errors import GatewayError
     from chorus.server.app import create_app
 
@@ -57,20 +53,20 @@ def serve(args: argparse.Namespace) -> int:
     env = Settings()
     host = args.host or env.host or config.server.host
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
-    config, skipped = config.served(is_ready)
+    config, skipped = config.served(not_ready)
     for line in skipped:
         print(f"chorus: {line}", file=sys.stderr, flush=True)
     if not config.models:
         sys.exit("chorus: no model to serve: every model of the config is optional and none is prepared")
     for spec in config.models:
-        if spec.needs_prepare and args.no_prepare and not is_prepared(spec.prepared_dir()):
+        if spec.needs_prepare and args.no_prepare and not_ready(spec):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
         try:
             prepare_model(spec, models={m.name: m for m in config.models})
         except GatewayError as exc:
             sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
     configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
-    if all(m.engine in LIGHT_TORCH for m in config.models):
+    if all(engine_kind(m.engine).light for m in config.models):  # no torch forward in this process
         # llama.cpp's threads own the cores; torch only mixes and samples 1-D rows here, and a torch team
         # spinning after each op slowed them (measured: two-member logit_average 35 -> 45-52 tok/s)
         import torch

@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from chorus.clients import eval_choices
-from chorus.clients.answers import extract_answer
 from chorus.clients.local import free_port, markdown_table, wait_ready
+from chorus.ensembles.answers import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
 

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chorus.clients.answers import compile_pattern, extract_answer
-from chorus.engines.base import Delta
+from chorus.engines.core.base import Delta
 from chorus.ensembles.answer_types import AnswerCanon, detect_kind
+from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.ensembles.spec import member_weights

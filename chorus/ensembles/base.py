@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from chorus.engines.base import (
+from chorus.engines.core.base import (
     TEXT,
     ChoiceScorer,
     Delta,
@@ -32,7 +32,7 @@ from chorus.engines.base import (
     SamplingParams,
     TokenLogprob,
 )
-from chorus.engines.generation import collect
+from chorus.engines.core.generation import collect
 from chorus.ensembles.call import Call, Member, Prompt, gather, resolve_members
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion, average
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS

@@ -8,8 +8,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from chorus.engines.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
-from chorus.engines.generation import encode_prompt
+from chorus.engines.core.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
+from chorus.engines.core.generation import encode_prompt
 from chorus.ensembles.metrics import MEMBER_CALLS
 from chorus.ensembles.spec import MemberSpec
 from chorus.errors import GatewayError, InvalidRequest, MemberFailed

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.base import Choice, Delta
+from chorus.engines.core.base import Choice, Delta
 from chorus.ensembles.answer_vote import Drawer, DrawParams
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call

@@ -1,7 +1,7 @@
 """``choice_average``: a scoring-only ensemble; each member's distribution over a question's choices, averaged.
 
-Members may be language models (each scores the choices with its own tokenizer, engines/scoring.py) or
-scorer models such as a trained DUMA (engines/scorer.py), which answer with one distribution over the
+Members may be language models (each scores the choices with its own tokenizer, engines/core/scoring.py) or
+scorer models such as a trained DUMA (engines/transformers/scorer.py), which answer with one distribution over the
 choices. The average uses ``weights`` (normalised; equal by default), per normalisation: a scorer's one
 distribution stands in for every normalisation. The ensemble serves ``POST /v1/choices`` only; chat and
 completions with it are a 400 (it has nothing to generate with).
@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.base import Delta
+from chorus.engines.core.base import Delta
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, with_own_sampling
 from chorus.ensembles.spec import member_weights

@@ -1,4 +1,4 @@
-"""What a multiple-choice question is, and how answers combine (``/v1/choices``, engines/scoring.py).
+"""What a multiple-choice question is, and how answers combine (``/v1/choices``, engines/core/scoring.py).
 
 A single model's answer is its `ChoiceScores` made into probabilities, one softmax over the choices per
 normalisation. An ensemble's members may tokenize differently, so in general their answers combine
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chorus.engines.base import ChoiceScorer, Engine
-from chorus.engines.scoring import NORMALISATIONS, ChoiceScores, argmax, score_choices, softmax
+from chorus.engines.core.base import ChoiceScorer, Engine
+from chorus.engines.core.scoring import NORMALISATIONS, ChoiceScores, argmax, score_choices, softmax
 from chorus.errors import InvalidRequest
 
 COMBINES = ("probabilities", "tokens")
@@ -46,7 +46,7 @@ class ChoiceQuestion:
 
     async def answer(self, engine: Engine, messages: list[dict[str, Any]] | None = None) -> tuple[ChoiceAnswer, int]:
         """One engine's answer and the tokens it read: a language model's scores made into probabilities per
-        normalisation, or a scorer's (engines/scorer.py) one distribution, reported under every normalisation
+        normalisation, or a scorer's (engines/transformers/scorer.py) one distribution, reported under every normalisation
         asked for (it has no token logprobs to normalise)."""
         if not isinstance(engine, ChoiceScorer):
             scores = await self.score(engine, messages)

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field
 
-from chorus.engines.base import Delta
+from chorus.engines.core.base import Delta
 from chorus.ensembles.answer_vote import Drawer, DrawParams, check_stop, choices
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather

@@ -20,8 +20,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chorus.engines import tool_calls
-from chorus.engines.base import Delta
+from chorus.engines.core import tool_calls
+from chorus.engines.core.base import Delta
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, gather
 from chorus.ensembles.similarity import METRICS, crowd_scores, similarity

@@ -21,9 +21,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chorus.engines.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session, TokenLogprob
-from chorus.engines.generation import SessionEngine, check_context
-from chorus.engines.scoring import mixture_logprob
+from chorus.engines.core.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session, TokenLogprob
+from chorus.engines.core.generation import SessionEngine, check_context
+from chorus.engines.core.scoring import mixture_logprob
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.clients.answers import extract_answer
-from chorus.engines.base import Delta, Generation
+from chorus.engines.core.base import Delta, Generation
 from chorus.ensembles.answer_types import AnswerCanon, detect_kind
+from chorus.ensembles.answers import extract_answer
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, resolve_members
 from chorus.ensembles.quorum import first_k

@@ -17,12 +17,12 @@ from collections.abc import AsyncGenerator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.base import Delta
+from chorus.engines.core.base import Delta
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import SELECTOR_CHOICES
-from chorus.ensembles.selection import ARTIFACT, NORMS, Selector, load_trained
+from chorus.ensembles.selector_model import ARTIFACT, NORMS, Selector, load_trained
 from chorus.errors import InvalidRequest
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from chorus.engines.base import Session
+from chorus.engines.core.base import Session
 from chorus.ensembles.stepping import LeadSessionBase
 
 

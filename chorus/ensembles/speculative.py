@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from chorus.engines.base import Session
+from chorus.engines.core.base import Session
 from chorus.ensembles.call import gather
 from chorus.ensembles.stepping import LeadSessionBase
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 import torch
 
-from chorus.engines.base import (
+from chorus.engines.core.base import (
     LOGITS,
     TOPK_LOGITS,
     Delta,
@@ -31,11 +31,11 @@ from chorus.engines.base import (
     TokenLogprob,
     TopLogprob,
 )
-from chorus.engines.constraint import Guide
-from chorus.engines.detokenize import TextAssembler
-from chorus.engines.generation import check_context, open_guide
-from chorus.engines.sampling import logprob_info, make_generator, sample
-from chorus.engines.vocab import vocab_of
+from chorus.engines.core.constraint import Guide
+from chorus.engines.core.detokenize import TextAssembler
+from chorus.engines.core.generation import check_context, open_guide
+from chorus.engines.core.sampling import logprob_info, make_generator, sample
+from chorus.engines.core.vocab import vocab_of
 from chorus.ensembles.stepping import normalised_weights, step_members
 from chorus.errors import CapabilityMismatch, InvalidRequest
 

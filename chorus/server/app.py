@@ -12,9 +12,8 @@ from fastapi import FastAPI
 
 from chorus import __version__
 from chorus.config import ChorusConfig, Settings
-from chorus.engines.base import Engine
-from chorus.engines.prepare import is_ready
-from chorus.engines.registry import build_engine
+from chorus.engines.core.base import Engine
+from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
 from chorus.server import errors
 from chorus.server.admin import router as admin_router
@@ -56,7 +55,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         loaded = dict(engines) if engines is not None else {}
         served = config
         if engines is None:  # what is prepared (chorus serve has already left the rest out and said so)
-            served, skipped = config.served(is_ready)
+            served, skipped = config.served(not_ready)
             for line in skipped:
                 log.info(line)
             for spec in served.models:

@@ -5,7 +5,7 @@
     -> {"object": "choice.scores", "model", "choices": [{"index", "text", "logprob", "tokens",
         "probabilities": {"sum", "mean", "char", "unconditional"}}], "chosen": {normalisation: index}, "usage"}
 
-A model scores each choice after the prompt (engines/scoring.py: a plain model reads the prompt once,
+A model scores each choice after the prompt (engines/core/scoring.py: a plain model reads the prompt once,
 in one tree-masked forward with every choice); an ensemble (named, or the body's ``ensemble``) combines its
 members' distributions over the choices, or per token for one vocabulary (ensembles/choice_scores.py).
 Unknown fields are refused (400), unlike on the OpenAI routes: this body is chorus's own.
@@ -23,8 +23,8 @@ from chorus.ensembles.call import Prompt
 from chorus.ensembles.choice_scores import COMBINES, ChoiceAnswer, ChoiceQuestion
 from chorus.errors import InvalidRequest
 from chorus.server import ensemble_calls, protocol
-from chorus.server.accounting import served_by, settle
-from chorus.server.routes import resolve
+from chorus.server.accounting import settle
+from chorus.server.resolve import model_for
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -83,8 +83,7 @@ async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
             raise InvalidRequest("'combine' applies to ensembles only.", param="combine")
         if req.trace:
             raise InvalidRequest("'trace' on /v1/choices applies to ensembles only.", param="trace")
-        engine = resolve(request, req.model)
-        served_by(request, req.model, body=req)
+        engine = model_for(request, req.model, body=req)
         answer, tokens = await until_disconnect(request, question.answer(engine))
         usage = protocol.usage(tokens, 0)
     settle(request, req.model, usage)

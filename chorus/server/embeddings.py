@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` on the embedding models of the config (engines/embedding.py), as OpenAI's.
+"""``POST /v1/embeddings`` on the embedding models of the config (engines/embedding/engine.py), as OpenAI's.
 
 ``input``: a string, a list of strings, one list of token ids, or a list of them (the model's own ids), at most
 ``server.limits.max_embedding_inputs`` per request; ``encoding_format``: ``float`` or ``base64`` (little-endian
@@ -17,11 +17,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.embedding import EmbeddingEngine
+from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.errors import CapabilityMismatch, InvalidRequest
-from chorus.server.accounting import served_by, settle
+from chorus.server.accounting import settle
 from chorus.server.replies import json_response
-from chorus.server.routes import ensembles, resolve
+from chorus.server.resolve import ensembles, model_for
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -52,7 +52,7 @@ def embedder(request: Request, name: str) -> EmbeddingEngine:
         raise CapabilityMismatch(f"'{name}' is an ensemble of language models: it generates text and scores "
                                  "choices; it does not embed. Ask an embedding model (GET /v1/models: kind "
                                  "'embedding').", param="model")
-    engine = resolve(request, name)
+    engine = model_for(request, name)
     if not isinstance(engine, EmbeddingEngine):
         raise CapabilityMismatch(f"The model '{name}' is not an embedding model: it generates text (chat, "
                                  "completions) and scores choices; ask an embedding model for embeddings (GET "
@@ -77,7 +77,6 @@ async def embeddings(req: EmbeddingsRequest, request: Request) -> Response:
     most = request.app.state.config.server.limits.max_embedding_inputs
     if len(inputs) > most:
         raise InvalidRequest(f"At most {most} inputs per request on this server (got {len(inputs)}).", param="input")
-    served_by(request, req.model)
     ids = engine.token_ids(inputs)
     vectors = await until_disconnect(request, engine.embed(ids))
     tokens = sum(len(x) for x in ids)

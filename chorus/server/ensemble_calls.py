@@ -22,8 +22,8 @@ from chorus.ensembles.call import Call, Prompt
 from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import InvalidRequest
 from chorus.server import protocol
-from chorus.server.accounting import served_by
-from chorus.server.replies import ReplyPlan, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.replies import ReplyPlan, ReplyShape, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.resolve import ensemble_for, served_of
 from chorus.server.streaming import until_disconnect
 
 
@@ -72,7 +72,7 @@ def charge_members(request: Request, call: Call) -> None:
             out[model] = (p + u.prompt_tokens, c + u.completion_tokens)
         return out
 
-    request.state.member_usage = used
+    served_of(request).member_usage = used
 
 
 def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:
@@ -89,10 +89,7 @@ def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:
 def admit(request: Request, req: AsksModel, ensemble: Ensemble) -> None:
     """The key's allow-list (a named ensemble is one name; an inline one is every model it uses) and the
     server's ensemble limits."""
-    named = req.model in request.app.state.ensembles
-    served_by(request, req.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
-              uses=() if named else ensemble.strategy.models(),
-              body=req)
+    ensemble_for(request, req.model, ensemble, body=req)
     check_limits(request.app.state.config.server.limits, ensemble)
 
 
@@ -110,12 +107,13 @@ def check_limits(limits: Limits, ensemble: Ensemble) -> None:
                              f"(got {budget.candidates}).", param="ensemble.candidates")
 
 
-async def chat(request: Request, req: protocol.ChatCompletionRequest, ensemble: Ensemble) -> Response:
+async def chat(request: Request, req: protocol.ChatCompletionRequest, ensemble: Ensemble,
+               shape: ReplyShape | None = None) -> Response:
     admit(request, req, ensemble)
     call = start_call(ensemble, req, Prompt(messages=req.message_dicts()))
     charge_members(request, call)
     return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(ensemble)),
-                            work_of(ensemble, call))
+                            work_of(ensemble, call), shape)
 
 
 async def completion(request: Request, req: protocol.CompletionRequest, ensemble: Ensemble) -> Response:

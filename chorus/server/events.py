@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from chorus.engines.base import Delta
+from chorus.engines.core.base import Delta
 from chorus.errors import GatewayError
 from chorus.server import protocol
 

@@ -21,12 +21,13 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.config import Limits
-from chorus.engines.base import REQUEST_SCOPE
+from chorus.engines.core.base import REQUEST_SCOPE
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
 from chorus.server.auth import KeyStore, Principal
 from chorus.server.errors import error_response
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
+from chorus.server.resolve import Served
 
 log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -91,12 +92,16 @@ class Gateway:
             elapsed = time.perf_counter() - t0
             route = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
             LATENCY.labels(route).observe(elapsed)
-            REQUESTS.labels(route, state.get("model", ""), state.get("strategy", ""), str(status["code"])).inc()
+            served = state.get("served")  # what the route resolved (server/resolve.py), if it got that far
+            model, strategy = (served.model, served.strategy) if isinstance(served, Served) else ("", "")
+            REQUESTS.labels(route, model, strategy, str(status["code"])).inc()
             log.info("request", extra={"request_id": rid, "method": scope.get("method"), "path": path,
                                        "status": status["code"], "ms": round(elapsed * 1000, 1),
-                                       "key": principal.name if principal else None, "model": state.get("model"),
-                                       "strategy": state.get("strategy"), "usage": state.get("usage"),
-                                       **({"prompt": state["prompt"]} if "prompt" in state else {})})
+                                       "key": principal.name if principal else None, "model": model or None,
+                                       "strategy": strategy or None,
+                                       "usage": served.usage or None if isinstance(served, Served) else None,
+                                       **({"prompt": served.prompt} if isinstance(served, Served)
+                                          and served.prompt is not None else {})})
 
     async def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
         if self.admission.draining:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from chorus.engines.base import (
+from chorus.engines.core.base import (
     Choice,
     Constraint,
     Delta,
@@ -19,8 +19,8 @@ from chorus.engines.base import (
     TokenLogprob,
     Tools,
 )
+from chorus.engines.core.generation import encode_prompt
 from chorus.engines.families.options import FamilyFields
-from chorus.engines.generation import encode_prompt
 from chorus.errors import InvalidRequest
 from chorus.server import fusion, structured, unsupported
 from chorus.server import tools as tool_fields

@@ -19,10 +19,11 @@ from fastapi import Request
 from pydantic_core import to_json
 from starlette.responses import Response
 
-from chorus.engines.base import Choice, Delta, Generation, GenerationRequest, TokenLogprob
+from chorus.engines.core.base import Choice, Delta, Generation, GenerationRequest, TokenLogprob
 from chorus.server import protocol
 from chorus.server.accounting import first_token, settle
 from chorus.server.events import chat_events, completion_events, first_and_rest
+from chorus.server.resolve import served_of
 from chorus.server.streaming import sse_response, until_disconnect
 
 
@@ -55,12 +56,12 @@ async def open_streams(request: Request, work: ReplyPlan) -> list[AsyncGenerator
         for s in streams:
             await s.aclose()
         raise failed[0]
-    first_token(request, request.state.model)
+    first_token(request, served_of(request).model)
     return streams
 
 
 class ReplyShape(Protocol):
-    """Another API's shape for a chat reply (``request.state.reply_shape``: the Responses API,
+    """Another API's shape for a chat reply (passed to `chat_reply`: the Responses API,
     server/responses.py): the finished chat body, or the chat chunks, become that API's."""
 
     named_events: bool  #: SSE events named by their ``type`` (and no ``[DONE]``)
@@ -71,10 +72,10 @@ class ReplyShape(Protocol):
 
 
 async def chat_reply(
-    request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan
+    request: Request, req: protocol.ChatCompletionRequest, head: protocol.ResponseHead, work: ReplyPlan,
+    shape: ReplyShape | None = None,
 ) -> Response:
-    model = request.state.model
-    shape: ReplyShape | None = getattr(request.state, "reply_shape", None)
+    model = served_of(request).model
     if not req.stream:
         gen = await until_disconnect(request, work.generate[0]())
         body = {**protocol.chat_response(head, gen, req.tool_set), **work.trailer()}
@@ -98,7 +99,7 @@ async def completion_reply(
 ) -> Response:
     """``echoes[p]``: prompt p's text when the client asked for ``echo`` (else ""); choice p*n+i.
     ``scored[p]``: prompt p's token logprobs (``echo`` with ``logprobs``), before the completion's."""
-    model = request.state.model
+    model = served_of(request).model
     if not req.stream:
         gens = await until_disconnect(request, asyncio.gather(*(g() for g in work.generate)))
         choices = []

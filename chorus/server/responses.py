@@ -93,8 +93,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Response:
     history = store.get(req.previous_response_id, owner, "previous_response_id").conversation \
         if req.previous_response_id else []
     chat = req.to_chat(history)
-    request.state.reply_shape = ResponseShape(ResponseState(req), store, owner, chat.message_dicts())
-    return await routes.chat_completions(chat, request)
+    return await routes.chat(request, chat, ResponseShape(ResponseState(req), store, owner, chat.message_dicts()))
 
 
 @router.get("/v1/responses/{rid}", response_model=None)

@@ -11,43 +11,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.base import EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
-from chorus.ensembles.base import Ensemble
-from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
+from chorus.engines.core.base import EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
+from chorus.errors import InvalidRequest
 from chorus.server import ensemble_calls, protocol
-from chorus.server.accounting import served_by
-from chorus.server.replies import ReplyPlan, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.replies import ReplyPlan, ReplyShape, chat_reply, completion_reply, nothing, nothing_streamed
+from chorus.server.resolve import engines, ensembles, lookup, model_for
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
-
-
-def engines(request: Request) -> dict[str, Engine]:
-    return request.app.state.engines
-
-
-def ensembles(request: Request) -> dict[str, Ensemble]:
-    return request.app.state.ensembles
-
-
-def resolve(request: Request, name: str) -> Engine:
-    found = engines(request).get(name)
-    if found is None:
-        known = ", ".join(sorted([*engines(request), *ensembles(request)])) or "none"
-        raise ModelNotFound(f"The model '{name}' does not exist. Available models: {known}.", param="model")
-    return found
-
-
-def generator(request: Request, name: str) -> Engine:
-    """The engine behind chat / completions: a scorer model (DUMA) generates nothing, a 400 says so."""
-    engine = resolve(request, name)
-    refuse = getattr(engine, "refuse", None)  # a model that generates nothing says what it does instead
-    if EMBEDDINGS in engine.capabilities and refuse is not None:
-        raise refuse("generate text")
-    if isinstance(engine, ChoiceScorer):
-        raise CapabilityMismatch(f"The model '{name}' is a multiple-choice scorer: it only scores choices "
-                                 "(POST /v1/choices); it cannot generate text.", param="model")
-    return engine
 
 
 def model_card(request: Request, name: str) -> dict[str, Any]:
@@ -113,18 +84,22 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> dict[str, Any]:
     if name not in ensembles(request):
-        resolve(request, name)
+        lookup(request, name)
     return model_card(request, name)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: protocol.ChatCompletionRequest, request: Request) -> Response:
+    return await chat(request, req)
+
+
+async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: ReplyShape | None = None) -> Response:
+    """A chat request, answered in OpenAI's shape or in another API's (``shape``: the Responses API's)."""
     apply_limits(request, req)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
-        return await ensemble_calls.chat(request, req, ensemble)
-    engine = generator(request, req.model)
-    served_by(request, req.model, body=req)
+        return await ensemble_calls.chat(request, req, ensemble, shape)
+    engine = model_for(request, req.model, body=req, generates=True)
     gen_req = req.to_generation_request(engine)
     work = ReplyPlan(
         [lambda: engine.generate(gen_req)],
@@ -132,7 +107,8 @@ async def chat_completions(req: protocol.ChatCompletionRequest, request: Request
         usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion),
         trailer=trace_of([gen_req]),
     )
-    return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work)
+    return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work,
+                            shape)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -141,8 +117,7 @@ async def completions(req: protocol.CompletionRequest, request: Request) -> Resp
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)
-    engine = generator(request, req.model)
-    served_by(request, req.model, body=req)
+    engine = model_for(request, req.model, body=req, generates=True)
     gen_reqs = req.to_generation_requests(engine)
     prompt_tokens = sum(len(g.prompt_ids) for g in gen_reqs)
     echo_only = req.max_tokens == 0  # the prompt is scored, nothing is generated

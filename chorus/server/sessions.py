@@ -40,8 +40,8 @@ import torch
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.base import LOGITS, Session
-from chorus.engines.session_wire import next_token
+from chorus.engines.core.base import LOGITS, Session
+from chorus.engines.remote.session_wire import next_token
 from chorus.errors import (
     CapabilityMismatch,
     InvalidRequest,
@@ -49,8 +49,7 @@ from chorus.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from chorus.server.accounting import served_by
-from chorus.server.routes import resolve
+from chorus.server.resolve import admit, model_for
 
 log = logging.getLogger("chorus.sessions")
 API_VERSION = "2"  # the newest this worker speaks (the header on every response); v1 paths stay served
@@ -163,8 +162,7 @@ async def list_sessions(request: Request, response: Response) -> dict[str, Any]:
 @router.post("")
 async def open_session(body: OpenBody, request: Request, response: Response) -> dict[str, Any]:
     store = _store(request)
-    engine = resolve(request, body.model)
-    served_by(request, body.model)
+    engine = model_for(request, body.model)
     if LOGITS not in engine.capabilities:
         raise CapabilityMismatch(f"{body.model} has no token-level logits to serve over sessions.", param="model")
     vocab = engine.tokenizer.vocab_size
@@ -212,7 +210,7 @@ async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
     """Roll back, then feed ``tokens`` in one forward: the session and the logits after each token."""
     store = _store(request)
     held = store.get(sid)
-    served_by(request, held.model)
+    admit(request, held.model)
     if held.lock.locked():
         raise SessionBusy(f"session {sid} is still running its previous step.", param="id")
     bad = [t for t in tokens if t < 0 or t >= held.vocab_size]
@@ -240,7 +238,7 @@ async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
 async def close_session(sid: str, request: Request, response: Response) -> dict[str, Any]:
     store = _store(request)
     held = store.get(sid)
-    served_by(request, held.model)
+    admit(request, held.model)
     store.close(sid)
     response.headers["X-Chorus-Session-API"] = API_VERSION
     return {"id": sid, "object": "chorus.session", "deleted": True}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from chorus.engines import constraint as grammars
-from chorus.engines.base import Constraint
+from chorus.engines.core import constraint as grammars
+from chorus.engines.core.base import Constraint
 from chorus.errors import InvalidRequest
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",

@@ -1,5 +1,5 @@
 """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into the engine-neutral `Tools`
-(engines/tool_calls.py renders, constrains and parses them), every malformed field a 400 naming it; and the
+(engines/core/tool_calls.py renders, constrains and parses them), every malformed field a 400 naming it; and the
 answer's calls into ``message.tool_calls``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import jsonschema
 
-from chorus.engines import tool_calls
-from chorus.engines.base import Constraint, Tools
+from chorus.engines.core import tool_calls
+from chorus.engines.core.base import Constraint, Tools
 from chorus.errors import InvalidRequest
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from chorus.config import load_config
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.prepare import prepare_model
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.core.registry import prepare_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_engine_on_cuda_batches_like_sequential(dtype: str) -> None:
-    from chorus.engines.transformers_engine import TransformersEngine
+    from chorus.engines.transformers.engine import TransformersEngine
 
     spec = load_config(None).model("smollm2-135m-instruct").model_copy(update={"device": "cuda", "dtype": dtype})
     prepare_model(spec)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig, load_config
-from chorus.engines.prepare import prepare_model
-from chorus.engines.transformers_engine import TransformersEngine
+from chorus.engines.core.registry import prepare_model
+from chorus.engines.transformers.engine import TransformersEngine
 from tests.helpers import SMOL, LiveServer, gateway
 
 

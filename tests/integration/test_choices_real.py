@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chorus.clients.lm_eval_tasks import task_yaml
 from chorus.config import ChorusConfig
-from chorus.engines.scoring import by_prompt_logprobs, split_text
-from chorus.engines.transformers_engine import TransformersEngine
+from chorus.engines.core.scoring import by_prompt_logprobs, split_text
+from chorus.engines.transformers.engine import TransformersEngine
 from tests.helpers import GEMMA, SMOL, LiveServer
 
 pytestmark = pytest.mark.integration

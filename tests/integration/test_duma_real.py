@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
+from chorus.engines.core.registry import build_engine
 from chorus.engines.families.duma import DumaConfig, load_duma, score_items
-from chorus.engines.registry import build_engine
 from chorus.training.duma import TrainConfig, train_duma
 from tests.helpers import SMOL, gateway
 

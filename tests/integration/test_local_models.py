@@ -8,9 +8,10 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.prepare import is_prepared, prepare_model
-from chorus.engines.sources import smollm2_gguf
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.registry import prepare_model
+from chorus.engines.core.sources import smollm2_gguf
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.transformers.prepare import is_prepared
 from tests.helpers import SMOL, gateway
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ def test_fast_chat_encoding_equals_transformers(default_config: ChorusConfig, mo
     as transformers' apply_chat_template + encode (SmolLM2's own template, Gemma's fallback)."""
     from transformers import AutoTokenizer
 
-    from chorus.engines.hf_tokenizer import HFTokenizer, message_text
+    from chorus.engines.core.hf_tokenizer import HFTokenizer, message_text
 
     tok = HFTokenizer(AutoTokenizer.from_pretrained(default_config.model(model).checkpoint_dir()))
     assert tok._template is not None

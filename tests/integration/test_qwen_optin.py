@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig, load_config
-from chorus.engines.prepare import is_ready
-from chorus.engines.scoring import mixture_logprob
+from chorus.engines.core.registry import is_ready
+from chorus.engines.core.scoring import mixture_logprob
 from tests.helpers import LiveServer, gateway
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from chorus.engines import tool_calls
-from chorus.engines.base import SamplingParams, Tools
-from chorus.engines.generation import collect, decode_loop
-from chorus.engines.sampling import make_generator
-from chorus.engines.transformers_engine import TransformersEngine
+from chorus.engines.core import tool_calls
+from chorus.engines.core.base import SamplingParams, Tools
+from chorus.engines.core.generation import collect, decode_loop
+from chorus.engines.core.sampling import make_generator
+from chorus.engines.transformers.engine import TransformersEngine
 from tests.helpers import GEMMA, SMOL
 
 PROMPT = [{"role": "user", "content": "Invent a small record about a city and answer in JSON."}]

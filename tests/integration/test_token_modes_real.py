@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.transformers_engine import TransformersEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.transformers.engine import TransformersEngine
 from chorus.ensembles.logit_average import LogitAverage
 from tests.helpers import drained
 

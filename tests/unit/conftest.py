@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from chorus.engines.families.checkpoint import tiny_llama
 from tests.helpers import LiveServer, fake_config, gateway, prepared_model_dir
 

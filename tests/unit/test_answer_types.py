@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from chorus.clients.answers import extract_answer, normalise_text
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.answer_types import AnswerCanon, clean_reply, detect_kind
+from chorus.ensembles.answers import extract_answer, normalise_text
 from tests.helpers import require, serve_fakes
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from chorus.clients.answers import extract_answer
 from chorus.config import ChorusConfig
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
+from chorus.ensembles.answers import extract_answer
 from chorus.ensembles.voting import Sample, agreement, best_sample, beta_confidence, settled, tally
 from chorus.training.cascade import fit_thresholds, write_artifact
 from tests.helpers import LiveServer, gateway

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, wait_until
 
 

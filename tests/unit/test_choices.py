@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from chorus.clients import eval_stats as S
-from chorus.engines.fake import FakeEngine
-from chorus.engines.scoring import mixture_logprob, neutral_prefix, normalised, softmax, split_text
+from chorus.engines.core.scoring import mixture_logprob, neutral_prefix, normalised, softmax, split_text
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer
 
 

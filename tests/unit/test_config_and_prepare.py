@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from chorus.config import ConfigError, load_config
-from chorus.engines import prepare as prep
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.transformers import prepare as prep
 from chorus.errors import EngineUnavailable
 
 

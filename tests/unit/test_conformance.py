@@ -23,7 +23,7 @@ import openai.types.chat as TC
 import pytest
 from pydantic import BaseModel
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, require, serve_fakes
 
 SCHEMAS = Path(os.environ.get("CHORUS_OPENAI_SCHEMAS") or

@@ -38,7 +38,7 @@ def test_compose_wiring() -> None:
     services = compose["services"]
     assert {"gateway", "vllm-1", "vllm-2", "chorus-worker"} <= set(services)
     gateway = ChorusConfig.model_validate(yaml.safe_load((DEPLOY / "configs" / "gateway.yaml").read_text()))
-    hosts = {url.split("//")[1].split(":")[0] for m in gateway.models if m.remote for url in m.remote.replicas}
+    hosts = {url.split("//")[1].split(":")[0] for m in gateway.models if m.engine == "remote" for url in m.options.replicas}
     assert hosts <= set(services)  # every replica the gateway calls is a service
     for name in ("vllm-1", "vllm-2", "chorus-worker"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -91,7 +91,7 @@ def test_k8s_wiring() -> None:
     # the gateway's replica URLs resolve to in-cluster names: <pod>.<headless service> or <service>
     names = {s["metadata"]["name"] for s in services}
     for m in grace.models:
-        for url in m.remote.replicas if m.remote else []:
+        for url in m.options.replicas if m.engine == "remote" else []:
             host = url.split("//")[1].split(":")[0]
             assert host.split(".")[-1] in names, url
 

@@ -1,7 +1,7 @@
 import pytest
 
-from chorus.engines.detokenize import TextAssembler
-from chorus.engines.fake import CharTokenizer
+from chorus.engines.core.detokenize import TextAssembler
+from chorus.engines.fake.engine import CharTokenizer
 
 tok = CharTokenizer()
 

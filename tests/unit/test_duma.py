@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.registry import build_engine
+from chorus.engines.fake.engine import FakeEngine
 from chorus.engines.families.duma import (
     DumaConfig,
     DumaScorer,
@@ -27,8 +28,7 @@ from chorus.engines.families.duma import (
     score_items,
     tiny_encoder,
 )
-from chorus.engines.registry import build_engine
-from chorus.engines.scorer import ScorerEngine
+from chorus.engines.transformers.scorer import ScorerEngine
 from chorus.errors import BuildError
 from chorus.training.duma import TrainConfig, accuracy, loss_of, read_items, train_duma
 from tests.helpers import LiveServer, gateway

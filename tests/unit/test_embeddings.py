@@ -16,9 +16,9 @@ import openai
 import pytest
 from openai.types import CreateEmbeddingResponse
 
-from chorus.engines.fake import FakeEngine
-from chorus.engines.registry import build_engine
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.registry import build_engine
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, gateway
 
 EMBEDDER = "all-minilm-l6-v2"

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import Delta
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.base import Delta
+from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, gather
 from tests.helpers import LiveServer, gateway, wait_until

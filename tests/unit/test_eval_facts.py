@@ -10,7 +10,7 @@ import json
 import pytest
 
 from chorus.clients.eval_facts import CATEGORIES, Fact, evaluate, facts, is_right
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import serve_fakes
 
 CAPITALS = {f.question: f.answers[0] for f in facts(100, 0) if f.category == "capital"}

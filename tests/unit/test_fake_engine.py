@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.fake.engine import FakeEngine
 from chorus.errors import ContextLengthExceeded, EngineFailed
 
 

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from chorus.engines.batching import BatchRunner
 from chorus.engines.families.graft import GraftConfig, graft
 from chorus.engines.families.modr import (
     MoDrConfig,
@@ -24,6 +23,7 @@ from chorus.engines.families.modr import (
 )
 from chorus.engines.families.moe import ExpertLoad, UpcycleConfig, upcycle
 from chorus.engines.runtime.kv_cache import GrowingCache
+from chorus.engines.transformers.batching import BatchRunner
 from chorus.errors import BuildError, InvalidRequest
 from chorus.training.modr import TrainConfig, train_modr
 

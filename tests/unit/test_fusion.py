@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, serve_fakes, wait_until
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from pydantic import ValidationError
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import SamplingParams
-from chorus.engines.fake import FakeEngine
-from chorus.engines.sampling import make_generator, sample
+from chorus.engines.core.base import SamplingParams
+from chorus.engines.core.sampling import make_generator, sample
+from chorus.engines.fake.engine import FakeEngine
 from chorus.errors import InvalidRequest
 from chorus.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.helpers import LiveServer, gateway

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.base import STRATEGIES, register, strategy_class
 from chorus.ensembles.logit_average import LogitAverage, LogitAverageStrategy
 from chorus.errors import CapabilityMismatch, InvalidRequest

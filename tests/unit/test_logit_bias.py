@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.fake import CharTokenizer
-from chorus.engines.openai_wire import request_body
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.fake.engine import CharTokenizer
+from chorus.engines.remote.openai_wire import request_body
 from tests.helpers import LiveServer
 
 USER = [{"role": "user", "content": "hi"}]

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGUFWriter
 
 from chorus.cli import main as cli_main
-from chorus.engines.sources import assemble_parts, part_packages
-from chorus.engines.spec import GGUFPin, ModelSpec
+from chorus.engines.core.sources import assemble_parts, part_packages
+from chorus.engines.core.spec import GGUFPin, ModelSpec
 from chorus.errors import EngineUnavailable
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, gateway, require
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

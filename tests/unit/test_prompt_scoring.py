@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from chorus.engines.fake import FakeEngine
-from chorus.engines.generation import SessionEngine
+from chorus.engines.core.generation import SessionEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer
 
 

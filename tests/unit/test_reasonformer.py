@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from chorus.engines.batching import BatchRunner
 from chorus.engines.families.reasonformer import (
     Decision,
     ReasonFormerConfig,
@@ -23,6 +22,7 @@ from chorus.engines.families.reasonformer import (
     load_reasonformer,
 )
 from chorus.engines.runtime.kv_cache import GrowingCache
+from chorus.engines.transformers.batching import BatchRunner
 from chorus.errors import BuildError, InvalidRequest
 
 

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.base import Constraint, GenerationRequest, SamplingParams
-from chorus.engines.fake import CharTokenizer, FakeEngine
-from chorus.engines.remote import RemoteEngine
-from chorus.engines.replicas import ReplicaPool, Retryable, error_from
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.base import Constraint, GenerationRequest, SamplingParams
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.fake.engine import CharTokenizer, FakeEngine
+from chorus.engines.remote.engine import RemoteEngine
+from chorus.engines.remote.replicas import ReplicaPool, Retryable, error_from
 from chorus.errors import EngineFailed, EngineUnavailable, InvalidRequest, RateLimited
 from tests.helpers import LiveServer, gateway
 

@@ -10,11 +10,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from chorus.engines.base import SamplingParams
-from chorus.engines.fake import FakeEngine
-from chorus.engines.generation import encode_prompt
-from chorus.engines.registry import ENGINES, build_engine, engine_class, register_engine
-from chorus.engines.spec import ModelSpec
+from chorus.engines.core.base import SamplingParams
+from chorus.engines.core.generation import encode_prompt
+from chorus.engines.core.registry import ENGINES, build_engine, engine_class, register_engine
+from chorus.engines.core.spec import ModelSpec
+from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.base import Ensemble
 from chorus.ensembles.spec import EnsembleSpec
 from chorus.errors import (
@@ -31,7 +31,7 @@ from chorus.server.errors import error_response
 
 
 def test_the_registry_builds_engines_by_kind_lazily() -> None:
-    engine = build_engine(ModelSpec(name="f", engine="fake", fake={"script": "hi"}))
+    engine = build_engine(ModelSpec.model_validate({"name": "f", "engine": "fake", "fake": {"script": "hi"}}))
     assert isinstance(engine, FakeEngine) and engine.name == "f"
     assert set(ENGINES) == {"transformers", "remote", "fake", "embedding", "llama_cpp"}
     assert all(":" in target for target in ENGINES.values())

@@ -16,7 +16,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, serve_fakes
 
 CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'

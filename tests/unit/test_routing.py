@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, gateway
 
 MATH = ["What is 17 times 23?", "Solve for x: 2x + 3 = 11.", "How much is 15% of 80?",
@@ -178,6 +178,10 @@ def test_cascade_survives_a_failing_member(client: openai.OpenAI) -> None:
             "ascending",
         ),
         ({"strategy": "route", "router": "random", "members": ["small", "big"], "weights": [1]}, "2 non-negative"),
+        ({"strategy": "route", "router": "random", "members": ["small", "big"], "k": 3},
+         r"'k' applies to router: semantic / cost only \(this ensemble's router is random\)"),
+        ({"strategy": "route", "router": "semantic", "members": ["small", "big"], "examples": {"big": MATH},
+          "margin": 0.1}, "'margin' applies to router: learned only"),
         ({"strategy": "cascade", "members": ["small"], "threshold": -1}, "at least 2 members"),
         ({"strategy": "cascade", "members": ["small", "big"], "threshold": 0.5}, "must be <= 0"),
         (

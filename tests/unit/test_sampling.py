@@ -1,7 +1,7 @@
 import torch
 
-from chorus.engines.base import SamplingParams
-from chorus.engines.sampling import apply_penalties, filter_logits, kept, logprob_info, make_generator, sample
+from chorus.engines.core.base import SamplingParams
+from chorus.engines.core.sampling import apply_penalties, filter_logits, kept, logprob_info, make_generator, sample
 
 logits = torch.tensor([1.0, 3.0, 2.0, 0.5, -1.0])
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.fake import FakeEngine
+from chorus.engines.fake.engine import FakeEngine
 from chorus.server.auth import KeyStore, hash_key
 from tests.helpers import LiveServer, gateway, wait_until
 

@@ -73,7 +73,7 @@ def test_served_config_keeps_everything_prepared() -> None:
     config = ChorusConfig.model_validate({
         "models": [{"name": "a", "engine": "fake"}, {"name": "b", "path": "/x/b.gguf", "optional": True}],
         "ensembles": [{"name": "e", "strategy": "crowd_vote", "members": ["a", "b"]}]})
-    served, skipped = config.served(lambda spec: True)
+    served, skipped = config.served(lambda spec: None)
     assert [m.name for m in served.models] == ["a", "b"] and [e.name for e in served.ensembles] == ["e"]
     assert skipped == []
 
@@ -96,7 +96,7 @@ def test_an_optional_llama_cpp_model_is_served_where_llama_cpp_python_is_install
     import importlib.util
 
     from chorus.config import load_config
-    from chorus.engines.prepare import is_ready
+    from chorus.engines.core.registry import is_ready, not_ready
 
     config = load_config(None)
     llama = [m for m in config.models if m.engine == "llama_cpp"]
@@ -106,7 +106,7 @@ def test_an_optional_llama_cpp_model_is_served_where_llama_cpp_python_is_install
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp"
                         else real_find_spec(name, *a))
     assert not any(is_ready(m) for m in llama)
-    _, skipped = config.served(lambda m: m.engine != "llama_cpp" and not m.optional)
+    _, skipped = config.served(not_ready)
     assert "smollm2-135m-instruct-llama: optional and llama-cpp-python is not installed, not served (add it with: " \
            "make llama-cpp)" in skipped
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
-from chorus.engines.fake import FakeEngine
-from chorus.engines.session_wire import decode_next, next_token
+from chorus.engines.fake.engine import FakeEngine
+from chorus.engines.remote.session_wire import decode_next, next_token
 from tests.helpers import LiveServer, gateway, wait_until
 
 
@@ -102,8 +102,8 @@ async def test_v2_steps_several_tokens_and_rolls_back(worker: LiveServer, engine
 
 async def test_a_gateways_worker_session_extends_and_rolls_back(worker: LiveServer) -> None:
     """The gateway side (`WorkerSession`): extend is one request, a rollback rides on the next step."""
-    from chorus.engines.remote import RemoteEngine
-    from chorus.engines.spec import ModelSpec
+    from chorus.engines.core.spec import ModelSpec
+    from chorus.engines.remote.engine import RemoteEngine
 
     spec = ModelSpec.model_validate({"name": "w", "engine": "remote", "remote": {
         "replicas": [worker.url + "/v1"], "model": "fake", "token_api": "chorus", "tokenizer": "unused"}})
@@ -186,7 +186,7 @@ def test_session_api_needs_a_key_when_keys_are_set() -> None:
 async def test_gather_ready_waits_for_every_served_sequence_within_its_window() -> None:
     """A batching scheduler's pause: it returns as soon as every sequence it served has its next token in, keeps
     waiting while they keep coming (each one restarts the window), and gives up one window after the last."""
-    from chorus.engines.base import gather_ready
+    from chorus.engines.core.base import gather_ready
 
     ready = [False, False, False]
     wake = asyncio.Event()

@@ -231,7 +231,7 @@ def test_the_admin_endpoint_needs_the_admin_key(redis_server: Redis, tmp_path: P
 def test_a_budget_in_currency_with_the_memory_store(tmp_path: Path) -> None:
     """The embedded default store: a currency budget from the price table, refused before any engine work, and
     the admin report (one process's counts)."""
-    from chorus.engines.fake import FakeEngine
+    from chorus.engines.fake.engine import FakeEngine
     from tests.helpers import gateway
 
     cfg = config("memory", max_budget=0.05, budget_unit="currency")
@@ -259,7 +259,7 @@ def test_a_budget_in_currency_with_the_memory_store(tmp_path: Path) -> None:
 
 def test_the_admin_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CHORUS_ADMIN_KEY (a Kubernetes Secret) turns the admin API on without a hash in the config, and wins."""
-    from chorus.engines.fake import FakeEngine
+    from chorus.engines.fake.engine import FakeEngine
     from tests.helpers import gateway
 
     monkeypatch.setenv("CHORUS_ADMIN_KEY", "sk-from-env")

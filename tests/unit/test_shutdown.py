@@ -63,7 +63,7 @@ def test_metrics_report_the_latest_running_app_and_fall_back_when_it_stops() -> 
     app's /metrics reporting the stopped app's engines."""
     import httpx
 
-    from chorus.engines.fake import FakeEngine
+    from chorus.engines.fake.engine import FakeEngine
     from tests.helpers import serve_fakes
 
     with serve_fakes({"first-app-model": FakeEngine("first-app-model")}) as first:

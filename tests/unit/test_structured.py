@@ -1,4 +1,4 @@
-"""Structured outputs (engines/constraint.py, server/structured.py) over fake engines, with the openai SDK:
+"""Structured outputs (engines/core/constraint.py, server/structured.py) over fake engines, with the openai SDK:
 every format's output parses and validates, streamed and with ``n``; the SDK's ``parse`` helper works;
 hypothesis-generated schemas all validate; every malformed format is a 400 naming its field."""
 
@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from chorus.engines.constraint import bounded
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.constraint import bounded
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, serve_fakes
 
 USER = [{"role": "user", "content": "Describe a person as JSON."}]

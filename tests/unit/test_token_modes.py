@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from chorus.engines.base import GenerationRequest, SamplingParams
-from chorus.engines.batching import MAX_EXTEND, BatchRunner
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.fake.engine import FakeEngine
+from chorus.engines.transformers.batching import MAX_EXTEND, BatchRunner
 from chorus.ensembles.logit_average import LogitAverage
 from chorus.ensembles.selective import uncertain
 

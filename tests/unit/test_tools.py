@@ -1,4 +1,4 @@
-"""Function calling (engines/tool_calls.py, server/tools.py) over fake engines, with the openai SDK: the
+"""Function calling (engines/core/tool_calls.py, server/tools.py) over fake engines, with the openai SDK: the
 fallback format's prompt, forced calls on any model (``required``, a named function, one call when
 ``parallel_tool_calls`` is false), ``auto``, streamed ``delta.tool_calls``, tool-result turns, ensembles,
 the SDK's ``parse`` helper with a pydantic tool, and a 400 for every malformed field."""
@@ -15,9 +15,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from chorus.engines import tool_calls
-from chorus.engines.base import Tools
-from chorus.engines.fake import FakeEngine
+from chorus.engines.core import tool_calls
+from chorus.engines.core.base import Tools
+from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, serve_fakes
 
 WEATHER = {"type": "function", "function": {

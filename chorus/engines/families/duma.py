@@ -12,7 +12,7 @@ probabilities.
 
 A checkpoint is a directory: ``config.json`` (``model_type: chorus_duma`` and the head's settings),
 ``encoder/`` (the fine-tuned encoder and its tokenizer, as ``save_pretrained`` writes them) and
-``head.safetensors``. ``chorus serve`` serves one as a scorer model (engines/scorer.py).
+``head.safetensors``. ``chorus serve`` serves one as a scorer model (engines/transformers/scorer.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The batching runner calls ``before`` / ``after`` around every forward (on the fo
 ``match_caches`` when two sequences' caches must be joined (``joined`` after); the engine asks
 ``check_options`` about a request's family options, ``trace`` for a response's ``trace`` object and
 ``metrics`` for Prometheus. `DenseObserver` is the plain model's: no options, nothing to observe. The engine picks
-a model's observer (``chorus.engines.transformers_engine.observer_for``).
+a model's observer (``chorus.engines.transformers.engine.observer_for``).
 """
 
 from __future__ import annotations

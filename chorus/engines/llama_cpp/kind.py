@@ -1,0 +1,34 @@
+"""``engine: llama_cpp``: a GGUF loaded as it is by llama.cpp in this process (a packaged ``source`` is joined or
+located at load; nothing is converted). Ready once llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from chorus.engines.core.kind import EngineKind
+from chorus.engines.llama_cpp.options import LlamaCppOptions
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from chorus.engines.core.spec import ModelSpec
+
+
+class LlamaCppKind(EngineKind):
+    name = "llama_cpp"
+    engine = "chorus.engines.llama_cpp.engine:LlamaCppEngine"
+    options = LlamaCppOptions
+    light = True  # llama.cpp's threads own the cores; torch only mixes and samples 1-D rows beside it
+
+    def check(self, spec: ModelSpec) -> None:
+        if (spec.derive is not None or (spec.source is None) == (spec.path is None)
+                or (spec.path is not None and not spec.path.endswith(".gguf"))):
+            raise ValueError(f"model {spec.name!r}: engine: llama_cpp needs exactly one of 'source' (a packaged "
+                             "GGUF: pypi:..., pypi-parts:...) or 'path' (a .gguf file)")
+
+    def not_ready(self, spec: ModelSpec, home: Path) -> str | None:
+        return None if importlib.util.find_spec("llama_cpp") is not None else "llama-cpp-python is not installed"
+
+
+KIND = LlamaCppKind()

@@ -1,0 +1,378 @@
+"""Continuous batching in one llama.cpp context: the scheduler behind `engine: llama_cpp`.
+
+Every open sequence (a `LlamaSession`) owns one llama.cpp sequence id and its own KV cells (the cache is
+split per sequence: with llama.cpp's unified cache a sequence's logits changed with where its cells lay). Each scheduler iteration gives the
+sessions it just served a moment to submit their next token (`gather_ready`, as the transformers runner does:
+without it a batch of 8 streams split into steps of one or two), builds one ``llama_batch`` and runs one
+``llama_decode`` on the decode thread:
+
+1. every session with tokens waiting (a decode step, or an ``extend`` of up to `MAX_EXTEND` tokens) puts
+   them in, each token at its own position and sequence id, with its logits asked for;
+2. the rest of the batch (up to ``n_batch`` tokens) goes to waiting prompts, in order: a prompt longer than
+   what is left is fed in chunks over several iterations (chunked prefill), and only a prompt's last
+   token asks for logits.
+
+The batch lists its sequences in id order, and a new sequence takes the lowest free id: with the cache split per
+sequence, llama.cpp computes together only sequences whose ids follow each other in the batch. The decode
+thread reads only each session's `Feed`, taken on the event loop when the batch was planned.
+
+A plain choice (no grammar) is driven (`LlamaSession.drive`): its sampler (`picks.TokenPicker`) runs on the
+decode thread right after each decode, and the sampled token goes into the next batch there and then; the
+event loop gets the picks to turn into text and streams them meanwhile. While every sequence of the batch is
+driven and the event loop has nothing new (a prompt, a close: `_interrupt`), the decode thread goes on from one
+decode to the next without it, as llama.cpp's own server does (measured on one stream: each token's round trip
+through the event loop cost about a millisecond, against 6 to 8 for the decode itself).
+
+Rollbacks and closes are applied on the decode thread before the next batch (``llama_memory_seq_rm``), so the
+cache is never changed while a decode runs; a closed session's sequence id is free again after that. Logits
+come back as full-vocabulary float32 rows (copied out of llama.cpp's buffer), so everything built on the
+`Session` protocol (sampling, logit averaging, grammars, scoring) works on them unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import heapq
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from chorus.engines.core.base import gather_ready
+from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, finite, non_finite
+from chorus.errors import EngineFailed, InvalidRequest
+
+log = logging.getLogger("chorus.llama_cpp")
+
+
+def _answered(sessions: list[LlamaSession]) -> int:
+    """How many of ``sessions`` have submitted their next work, are driven (their next token is there), or
+    closed."""
+    return sum(1 for s in sessions if s.closed or s.waits() or s.driving is not None)
+
+
+def _deliver(picks: Sent) -> None:
+    """On the event loop: the picks of one decode to their choices (a closed one's are dropped)."""
+    for d, item in picks:
+        d.deliver(item)
+
+
+class LlamaRunner:
+    """Owns the context; schedules batches (decode steps first, then prefill chunks) on one decode thread."""
+
+    def __init__(self, lib: Any, ctx: Any, *, n_vocab: int, max_model_len: int, max_batch_size: int,
+                 n_batch: int, gather_wait_s: float = 0.004) -> None:
+        self.lib = lib
+        self.gather_wait_s = gather_wait_s
+        self.ctx = ctx
+        self.mem = lib.llama_get_memory(ctx)
+        self.n_vocab = n_vocab
+        self.max_model_len = max_model_len
+        self.n_batch = n_batch
+        self.max_batch_size = max_batch_size
+        self.free_seqs: list[int] = list(range(max_batch_size))  # a heap: the lowest free id is taken first
+        self.sessions: set[LlamaSession] = set()
+        self.decoding: list[LlamaSession] = []  # prefilled sessions that hold a sequence id
+        self.waiting: deque[LlamaSession] = deque()  # prompts to prefill, in order
+        self.to_free: list[int] = []  # sequence ids of closed sessions, cleared before the next batch
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self._row = ctypes.c_float * n_vocab  # a logits row in llama.cpp's buffer
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="llama-decode")
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._interrupt = threading.Event()  # the event loop has something new: a run of driven decodes stops
+        self._task: asyncio.Task[None] | None = None
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._loop_ref = asyncio.get_running_loop()
+            self._task = asyncio.create_task(self._loop(), name="llama-cpp-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for s in list(self.sessions):
+            s.close()
+        await asyncio.get_running_loop().run_in_executor(self.thread, self._free_native)
+        self.thread.shutdown(wait=True)
+
+    def _free_native(self) -> None:
+        self._apply_removals()
+        if self.batch is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+
+    def enqueue(self, session: LlamaSession, prefill: bool) -> None:
+        if prefill:
+            self.waiting.append(session)
+        self._wake.set()
+        self._interrupt.set()
+
+    def release(self, session: LlamaSession) -> None:
+        self.sessions.discard(session)
+        if session in self.waiting:
+            self.waiting.remove(session)
+        if session in self.decoding:
+            self.decoding.remove(session)
+        if session.seq is not None:
+            self.to_free.append(session.seq)
+            session.seq = None
+        if session.work is not None and not session.work.future.done():
+            session.work.future.set_exception(EngineFailed("session closed"))
+        if session.driving is not None:
+            session.driving.stopped = True
+        self._wake.set()
+        self._interrupt.set()
+
+    # the scheduler ------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[LlamaSession, Feed]]:
+        """This batch: each session in it and its `Feed`."""
+        room = self.n_batch
+        plan: list[tuple[LlamaSession, Feed]] = []
+        for s in self.decoding:
+            d = s.driving
+            if d is not None and not d.stopped and room > 0 and s.seq is not None:
+                plan.append((s, Feed(s.seq, d.pos, [d.token], True, True, d)))
+                room -= 1
+                continue
+            w = s.work
+            if w is None or w.future.done() or room <= 0 or s.seq is None:
+                continue
+            take = w.ids[w.done:w.done + min(MAX_EXTEND, room)]
+            plan.append((s, Feed(s.seq, s.length, take, w.all_logits, w.done + len(take) == len(w.ids))))
+            room -= len(take)
+        blocked = False  # a prompt waits for sequence ids: later ones take none (first come, first served)
+        for s in list(self.waiting):
+            if room <= 0:
+                break
+            w = s.work
+            if w is None or w.future.done() or s.closed:
+                self.waiting.remove(s)
+                continue
+            if s.seq is None:
+                blocked = blocked or not self._take_ids(s)
+                if s.seq is None:
+                    continue  # it waits; a prompt whose sequence is already held goes on
+            take = w.ids[w.done:w.done + room]
+            ends = w.done + len(take) == len(w.ids)
+            plan.append((s, Feed(s.seq, s.length, take, w.all_logits, ends)))
+            room -= len(take)
+            if ends:
+                self.waiting.remove(s)
+            else:
+                break  # a chunk: the rest of this prompt goes in the next batches
+        # in sequence-id order: with the cache split per sequence, llama.cpp puts in one micro-batch only
+        # sequences whose ids follow each other in the batch (0, 1, 2, ...); any other order, or a gap, splits
+        # the decode into several (measured, 8 one-token sequences: in order 34 ms a step, shuffled 63, with
+        # gaps 98). Hence the order here, and the lowest free id for each new sequence.
+        plan.sort(key=lambda entry: entry[1].seq)
+        return plan
+
+    def _take_ids(self, s: LlamaSession) -> bool:
+        """Sequence ids for ``s`` and for every other session its request holds open without one (its ``n``
+        choices, its prompts, an ensemble's members on this model), all at once or none: a request holding some
+        of the sequences it needs while waiting for the rest could wait on others doing the same, for ever."""
+        group = [s, *(g for g in self.sessions if g is not s and g.owner is not None and g.owner is s.owner
+                      and g.seq is None and not g.closed)]
+        if len(group) > self.max_batch_size:
+            assert s.work is not None
+            s.work.future.set_exception(InvalidRequest(
+                f"the request needs {len(group)} sequences of this model at once; it has {self.max_batch_size} "
+                "(max_batch_size)"))
+            return True
+        if self.to_free or len(self.free_seqs) < len(group):
+            return False  # not enough ids (or a freed one is not cleared yet): wait
+        for g in group:
+            g.seq = heapq.heappop(self.free_seqs)
+        return True
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        served: list[LlamaSession] = []  # the sessions given logits by the last batch
+        while True:
+            await gather_ready(functools.partial(_answered, served), len(served), self.gather_wait_s, self._wake)
+            served = []
+            trims: list[tuple[int, int]] = [(s.seq, s.trim_to) for s in self.decoding
+                                            if s.trim_to is not None and s.seq is not None]
+            for s in self.decoding:
+                s.trim_to = None
+            if self.to_free or trims:
+                await loop.run_in_executor(self.thread, self._apply_removals, trims)
+            plan = self._plan()
+            if not plan:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            self._interrupt.clear()
+            try:
+                out, decodes = await loop.run_in_executor(self.thread, self._run, [f for _, f in plan])
+            except Exception as exc:  # the whole batch fails; every session in it gets the error
+                log.exception("llama_decode failed")
+                failed = EngineFailed(f"llama.cpp decode failed: {exc}")
+                for s, f in plan:
+                    if f.drive is not None and not f.drive.stopped:
+                        f.drive.stopped = True
+                        f.drive.deliver(failed)
+                    if s.work is not None and not s.work.future.done():
+                        s.work.future.set_exception(failed)
+                continue
+            self.steps += decodes
+            for (s, f), rows in zip(plan, out):
+                if f.drive is not None:
+                    s.length = f.drive.pos
+                    continue
+                w = s.work
+                if w is None or w.future.done() or s.closed:
+                    continue
+                if not finite(rows):
+                    w.future.set_exception(non_finite())
+                    continue
+                w.done += len(f.tokens)
+                s.length += len(f.tokens)
+                w.rows.append(rows)
+                if f.ends:
+                    if s not in self.decoding:
+                        self.decoding.append(s)
+                    w.future.set_result(torch.cat(w.rows) if len(w.rows) > 1 else w.rows[0])
+                    served.append(s)
+
+    async def fork(self, source: LlamaSession, copies: Sequence[LlamaSession]) -> None:
+        """Give each of ``copies`` (open, not prefilled; they took their sequence ids with ``source``, as one
+        request's sessions do) the KV cells of the prefilled ``source``: ``llama_memory_seq_cp`` on the decode
+        thread, between decodes (with the cache split per sequence, llama.cpp copies the source's cells into the
+        other sequence's own buffer at the next decode). Each copy then decodes from the same position, exactly as
+        if it had prefilled the prompt alone."""
+        if not source.prefilled or source.seq is None:
+            raise InvalidRequest("fork needs a prefilled source sequence")
+        pairs = []
+        for c in copies:
+            if c.prefilled or c.work is not None or c.closed or c.seq is None:
+                raise InvalidRequest("fork copies must be open, not prefilled, and hold a sequence id")
+            pairs.append((source.seq, c.seq))
+        await asyncio.get_running_loop().run_in_executor(self.thread, self._copy, pairs)
+        for c in copies:
+            c.length = source.length
+            c.prefilled = True
+            if c not in self.decoding:
+                self.decoding.append(c)
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """On the decode thread: each destination sequence's cells replaced by a copy of the source's."""
+        for src, dst in pairs:
+            self.lib.llama_memory_seq_rm(self.mem, dst, -1, -1)
+            self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
+    def _apply_removals(self, trims: list[tuple[int, int]] | None = None) -> None:
+        """On the decode thread: clear closed sessions' sequences and cut rolled-back ones."""
+        for seq, keep in trims or []:
+            self.lib.llama_memory_seq_rm(self.mem, seq, keep, -1)
+        for seq in self.to_free:
+            self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+            heapq.heappush(self.free_seqs, seq)
+        self.to_free.clear()
+
+    def _run(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], int]:
+        """On the decode thread: decode the planned feeds and sample the driven ones; then, while every sequence
+        in the batch is driven and the event loop has nothing new, decode their tokens again, and again. Returns
+        the first decode's logits rows (each planned feed's: the event loop settles the plan from them) and how
+        many decodes ran."""
+        first = out = self._decode(feeds)
+        decodes = 1
+        while True:
+            feeds, picks = self._pick(feeds, out)
+            if not feeds or self._interrupt.is_set():
+                self._send(picks)
+                return first, decodes
+            out = self._decode(feeds, picks)
+            decodes += 1
+
+    def _pick(self, feeds: list[Feed], out: list[torch.Tensor]) -> tuple[list[Feed], Sent]:
+        """On the decode thread: each driven feed's next token from its logits; the feeds of the next decode
+        when every feed was driven (none when one was not: the event loop plans)."""
+        picks: Sent = []
+        again: list[Feed] = []
+        alone = True  # every feed driven
+        for f, rows in zip(feeds, out):
+            d = f.drive
+            if d is None:
+                alone = False
+                continue
+            d.pos = f.start + 1
+            if d.stopped:
+                continue
+            if not finite(rows[-1:]):
+                d.stopped = True
+                picks.append((d, non_finite()))
+                continue
+            try:
+                pick = d.picker(rows[-1])
+            except Exception as exc:  # a sampler's fault ends its choice only
+                d.stopped = True
+                picks.append((d, EngineFailed(f"sampling failed: {exc}")))
+                continue
+            picks.append((d, pick))
+            if pick.final:
+                d.stopped = True
+            else:
+                d.token = pick.token
+                again.append(Feed(f.seq, d.pos, [pick.token], True, True, d))
+        return (again if alone else []), picks
+
+    def _send(self, picks: Sent) -> None:
+        """From the decode thread: picks to the event loop. Sent just before the next llama_decode, which lets go
+        of the GIL: sent earlier, the event loop's work on them (text, the SSE write) held the GIL while this
+        thread still needed it to set up the decode (measured: a quarter of a millisecond a token)."""
+        if picks and self._loop_ref is not None:
+            self._loop_ref.call_soon_threadsafe(_deliver, picks)
+
+    def _decode(self, feeds: list[Feed], picks: Sent | None = None) -> list[torch.Tensor]:
+        """On the decode thread: one llama_decode of the planned tokens; each feed's logits rows. It reads only
+        the feeds (taken on the event loop), never a session, which a client going away may close meanwhile.
+        ``picks``: the previous decode's, sent to the event loop once the batch is set up. A driven feed's row
+        is a view of llama.cpp's logits buffer, valid until the next decode: only `_pick` reads it (measured: the
+        copy took a third of the decode thread's time between two decodes)."""
+        b = self.batch
+        n = 0
+        wanted: list[list[int]] = []
+        for f in feeds:
+            idx = []
+            for j, token in enumerate(f.tokens):
+                b.token[n] = token
+                b.pos[n] = f.start + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = f.seq
+                need = f.all_logits or (f.ends and j == len(f.tokens) - 1)
+                b.logits[n] = 1 if need else 0
+                if need:
+                    idx.append(n)
+                n += 1
+            wanted.append(idx)
+        b.n_tokens = n
+        if picks:
+            self._send(picks)
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}" + (" (no KV cells free: raise n_ctx)" if rc == 1 else ""))
+        out = []
+        for f, idx in zip(feeds, wanted):
+            if f.drive is not None:  # read by `_pick` before the next decode, then dropped: no copy
+                row = self._row.from_address(ctypes.addressof(self.lib.llama_get_logits_ith(self.ctx, idx[0]).contents))
+                out.append(torch.from_numpy(np.frombuffer(memoryview(row), dtype=np.float32))[None])
+                continue
+            rows = np.empty((len(idx), self.n_vocab), dtype=np.float32)
+            for r, i in enumerate(idx):
+                ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+                ctypes.memmove(rows[r].ctypes.data, ptr, self.n_vocab * 4)
+            out.append(torch.from_numpy(rows))
+        return out

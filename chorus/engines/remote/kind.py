@@ -1,0 +1,27 @@
+"""``engine: remote``: a model served by OpenAI-compatible workers; nothing to prepare, its options name them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from chorus.engines.core.kind import EngineKind
+from chorus.engines.remote.options import RemoteOptions
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from chorus.engines.core.spec import ModelSpec
+
+
+class RemoteKind(EngineKind):
+    name = "remote"
+    engine = "chorus.engines.remote.engine:RemoteEngine"
+    options = RemoteOptions
+    light = True
+
+    def state(self, spec: ModelSpec, home: Path) -> tuple[str, str]:
+        assert isinstance(spec.options, RemoteOptions)
+        return "remote", ", ".join(spec.options.replicas)
+
+
+KIND = RemoteKind()

@@ -1,0 +1,48 @@
+"""``router: learned``: a router trained by ``chorus bench selector`` (routers/learned_model.py) predicts from the
+prompt how likely each member is to be right and sends it to the cheapest member within ``margin`` of the best.
+It also answers ``/v1/choices`` with the one member it picks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from chorus.ensembles.call import Call, Member
+from chorus.ensembles.routers.base import RouteParams, Router
+from chorus.ensembles.routers.learned_model import ARTIFACT, LearnedRouter
+from chorus.ensembles.selector_model import load_trained
+from chorus.ensembles.similarity import Embedder
+from chorus.errors import InvalidRequest
+
+
+def load_router(name: str | None, members: list[str]) -> LearnedRouter:
+    if not name:
+        raise InvalidRequest("router: learned needs 'artifact' (a router trained by `chorus bench selector`).",
+                             param="ensemble.artifact")
+    router: LearnedRouter = load_trained(name, ARTIFACT, LearnedRouter.load, members, "router")
+    return router
+
+
+class LearnedRouting(Router):
+    fields = frozenset({"artifact", "margin"})
+    scores_choices = True
+
+    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+        super().__init__(params, members)
+        self.learned = load_router(params.artifact, [m.spec.model for m in members])
+
+    async def choose(self, call: Call, seed: int | None) -> tuple[Member, dict[str, Any]]:
+        return await self.choose_text(call.prompt.question)
+
+    async def choose_text(self, text: str) -> tuple[Member, dict[str, Any]]:
+        r = self.learned
+        q = (await asyncio.to_thread(Embedder.embed, [text]))[0]
+        pred, nearest, sims = r.predict(q)
+        i = r.choose(pred, self.params.margin)
+        margin = r.margin if self.params.margin is None else self.params.margin
+        info = {"predicted_correct": {m.label: round(float(x), 4) for m, x in zip(self.members, pred)},
+                "neighbours": [{"item": int(j), "similarity": round(float(s), 4)} for j, s in zip(nearest, sims)],
+                "margin": margin, "fallback": r.fallback,
+                "reason": (f"fallback to {r.fallback}: {r.training.get('fallback_reason')}" if r.fallback else
+                           f"the cheapest member predicted within {margin} of the best")}
+        return self.members[i], info
