@@ -74,7 +74,7 @@ def _no_cache_rate(models: list[Any], ids: list[int], tokens: int) -> float:
 
 
 async def bench_logit_average(engine: Any, twin: Any, tokens: int, rounds: int, no_cache_tokens: int) -> str:
-    from chorus.ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
     ids = engine.tokenizer.encode_chat(PROMPT)
     shared, separate = LogitAverage([engine, engine]), LogitAverage([engine, twin])

@@ -156,7 +156,8 @@ async def bench_engine(name: str, model: Any, args: argparse.Namespace, device: 
 
 
 async def bench_modes(models: dict[str, Any], args: argparse.Namespace, device: str) -> list[list[str]]:
-    from chorus.ensembles.logit_average import LogitAverage  # imports pydantic: scripts/bench-gpu brings it
+    from chorus.ensembles.logit_average.mixing import Mixing
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage  # imports pydantic: bench-gpu brings it
 
     vocab = models["lead"].config.vocab_size
     runners = {k: BatchRunner(m, max_model_len=args.prompt + args.tokens + 32) for k, m in models.items()}
@@ -169,8 +170,8 @@ async def bench_modes(models: dict[str, Any], args: argparse.Namespace, device: 
         for pair, other in (("same weights twice (best case)", "lead"), ("two random inits (worst case)", "other")):
             members: list[Any] = [engines["lead"], engines[other]]  # engines by shape (ids, not words)
             systems = {"lead alone": engines["lead"], "full": LogitAverage(members),
-                       f"selective, gate {args.gate:g}": LogitAverage(members, mode="selective", gate=args.gate),
-                       f"speculative, k={args.k}": LogitAverage(members, mode="speculative", k=args.k)}
+                       f"selective, gate {args.gate:g}": LogitAverage(members, Mixing(mode="selective", gate=args.gate)),
+                       f"speculative, k={args.k}": LogitAverage(members, Mixing(mode="speculative", k=args.k))}
             results: dict[str, tuple[float, list[int]]] = {}  # label -> tokens/s, output ids
             for label, system in systems.items():
                 sync(device)

@@ -94,8 +94,9 @@ async def run_system(pair: Pair, members: list[Any], per_prompt: list[list[list[
     """tokens/s, each prompt's output, the mode's figures: ``mode`` is ``alone`` (member ``who``), ``union``
     (topk_union) or a logit_average mode led by ``who``; the prompts one after another."""
     from chorus.engines.core.base import GenerationRequest
-    from chorus.ensembles.logit_average import LogitAverage
-    from chorus.ensembles.topk_union import TopkUnion
+    from chorus.ensembles.logit_average.mixing import Mixing
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
+    from chorus.ensembles.logit_average.topk_union import TopkUnion
 
     outputs, tokens, tally = [], 0, None
     t0 = time.perf_counter()
@@ -108,8 +109,7 @@ async def run_system(pair: Pair, members: list[Any], per_prompt: list[list[list[
         elif mode == "alone":
             ids = (await members[who].generate(GenerationRequest(prompts[who], params))).choices[0].token_ids
         else:  # one engine per prompt: with personas the members' prompts differ per question
-            engine = LogitAverage(members, mode=mode, lead=who, gate=gate, k=k,
-                                  prompts=prompts if pair.personas else None)
+            engine = LogitAverage(members, Mixing(mode=mode, lead=who, gate=gate, k=k), prompts=prompts if pair.personas else None)
             ids = (await engine.generate(GenerationRequest(prompts[who], params))).choices[0].token_ids
             tally = tally or Tally()
             tally.add(engine.tally)

@@ -42,7 +42,7 @@ from chorus.errors import CapabilityMismatch, InvalidRequest
 T = TypeVar("T")
 
 STRATEGIES: dict[str, str] = {
-    "logit_average": "chorus.ensembles.logit_average:LogitAverageStrategy",
+    "logit_average": "chorus.ensembles.logit_average.strategy:LogitAverageStrategy",
     "exchange_of_thought": "chorus.ensembles.exchange_of_thought:ExchangeOfThought",
     "crowd_vote": "chorus.ensembles.crowd_vote:CrowdVote",
     "mixture_of_agents": "chorus.ensembles.mixture_of_agents:MixtureOfAgents",

@@ -114,7 +114,7 @@ async def test_n_choices_share_one_prefill(smol_engine: TransformersEngine) -> N
 
 
 async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: TransformersEngine) -> None:
-    from chorus.ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
     ids = chat_ids(smol_engine, QUESTIONS[0])
     single = await smol_engine.generate(GenerationRequest(ids, greedy(16)))
@@ -128,7 +128,7 @@ async def test_logit_average_of_a_model_with_itself_is_the_model(smol_engine: Tr
 
 async def test_concurrent_ensemble_requests_share_forward_passes(smol_engine: TransformersEngine) -> None:
     """Three logit_average requests at once: 6 member sessions, all stepped by the same forwards."""
-    from chorus.ensembles.logit_average import LogitAverage
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
     ens = LogitAverage([smol_engine, smol_engine])
     reqs = [GenerationRequest(chat_ids(smol_engine, q), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -7,7 +7,8 @@ import torch
 
 from chorus.engines.core.base import GenerationRequest, SamplingParams
 from chorus.engines.transformers.engine import TransformersEngine
-from chorus.ensembles.logit_average import LogitAverage
+from chorus.ensembles.logit_average.mixing import Mixing
+from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 from tests.helpers import drained
 
 PERSONAS = ("You are a careful teacher. Explain step by step.", "You are a pirate. Answer like one, briefly.")
@@ -47,7 +48,7 @@ async def test_speculative_prompt_ensemble_equals_full(smol_engine: Transformers
     prompts = [persona_ids(smol_engine, p) for p in PERSONAS]
     req = GenerationRequest(prompts[0], SamplingParams(temperature=0, max_tokens=40))
     full = await LogitAverage([smol_engine, smol_engine], prompts=prompts).generate(req)
-    spec = LogitAverage([smol_engine, smol_engine], prompts=prompts, mode="speculative", k=4)
+    spec = LogitAverage([smol_engine, smol_engine], Mixing(mode="speculative", k=4), prompts=prompts)
     got = await spec.generate(req)
     assert got.choices[0].token_ids == full.choices[0].token_ids
     st = spec.tally
@@ -63,9 +64,9 @@ async def test_selective_at_a_gate_that_always_fires_equals_full(smol_engine: Tr
     prompts = [persona_ids(smol_engine, p) for p in PERSONAS]
     req = GenerationRequest(prompts[0], SamplingParams(temperature=0, max_tokens=24))
     full = await LogitAverage([smol_engine, smol_engine], prompts=prompts).generate(req)
-    sel = LogitAverage([smol_engine, smol_engine], prompts=prompts, mode="selective", gate=1.0)
+    sel = LogitAverage([smol_engine, smol_engine], Mixing(mode="selective", gate=1.0), prompts=prompts)
     assert (await sel.generate(req)).choices[0].token_ids == full.choices[0].token_ids
-    some = LogitAverage([smol_engine, smol_engine], prompts=prompts, mode="selective", gate=0.5)
+    some = LogitAverage([smol_engine, smol_engine], Mixing(mode="selective", gate=0.5), prompts=prompts)
     await some.generate(req)
     assert 0 < some.tally.consulted < some.tally.positions
     assert torch.is_tensor(some.weights)

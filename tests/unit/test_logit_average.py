@@ -4,7 +4,8 @@ import torch
 from chorus.engines.core.base import GenerationRequest, SamplingParams
 from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.base import STRATEGIES, register, strategy_class
-from chorus.ensembles.logit_average import LogitAverage, LogitAverageStrategy
+from chorus.ensembles.logit_average.mixing import Mixing
+from chorus.ensembles.logit_average.strategy import LogitAverage, LogitAverageStrategy
 from chorus.errors import CapabilityMismatch, InvalidRequest
 
 
@@ -15,7 +16,7 @@ def req(e: FakeEngine, **kw) -> GenerationRequest:
 async def test_weights_select_a_member() -> None:
     a, b = FakeEngine("a", script="alpha"), FakeEngine("b", script="bravo")
     for weights, want in (([1, 0], "alpha"), ([0, 1], "bravo"), ([3, 1], "alpha")):
-        g = await LogitAverage([a, b], weights).generate(req(a))
+        g = await LogitAverage([a, b], Mixing(weights=weights)).generate(req(a))
         assert g.choices[0].text == want
     assert a.active_sessions == b.active_sessions == 0
 
@@ -24,12 +25,12 @@ async def test_self_average_equals_the_single_model() -> None:
     a = FakeEngine("a", sharpness=2.0)
     single = await a.generate(req(a, max_tokens=10))
     for space in ("probability", "logit"):
-        ens = await LogitAverage([a, a], space=space).generate(req(a, max_tokens=10))
+        ens = await LogitAverage([a, a], Mixing(space=space)).generate(req(a, max_tokens=10))
         assert ens.choices[0].token_ids == single.choices[0].token_ids
 
 
 async def test_combination_in_each_space() -> None:
-    la = LogitAverage([FakeEngine("a"), FakeEngine("b")], [1, 3])
+    la = LogitAverage([FakeEngine("a"), FakeEngine("b")], Mixing(weights=[1, 3]))
     z1, z2 = torch.tensor([0.0, 2.0, 1.0]), torch.tensor([1.0, 0.0, 3.0])
     s = la.open_session()
     s.vocab = 3
@@ -45,9 +46,9 @@ def test_bad_ensembles_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="at least 2"):
         LogitAverage([a])
     with pytest.raises(InvalidRequest, match="weights"):
-        LogitAverage([a, a], [1, -1])
+        LogitAverage([a, a], Mixing(weights=[1, -1]))
     with pytest.raises(InvalidRequest, match="space"):
-        LogitAverage([a, a], space="median")
+        LogitAverage([a, a], Mixing(space="median"))
     other = FakeEngine("other")
     other.tokenizer.vocab = list(other.tokenizer.vocab)  # a different vocabulary
     other.tokenizer.vocab[0] = "~~"

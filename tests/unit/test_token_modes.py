@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from chorus.engines.core.base import GenerationRequest, SamplingParams
 from chorus.engines.fake.engine import FakeEngine
 from chorus.engines.transformers.batching import MAX_EXTEND, BatchRunner
-from chorus.ensembles.logit_average import LogitAverage
-from chorus.ensembles.selective import uncertain
+from chorus.ensembles.logit_average.mixing import Mixing
+from chorus.ensembles.logit_average.selective import uncertain
+from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -99,8 +100,8 @@ def prompt(e: FakeEngine, **kw: object) -> GenerationRequest:
 async def test_speculative_equals_full_token_for_token(lead: int) -> None:
     a, b = scripted()
     weights = [0.45, 0.55]
-    want = await LogitAverage([a, b], weights).generate(prompt(a, temperature=0, max_tokens=30))
-    spec = LogitAverage([a, b], weights, mode="speculative", lead=lead, k=4)
+    want = await LogitAverage([a, b], Mixing(weights=weights)).generate(prompt(a, temperature=0, max_tokens=30))
+    spec = LogitAverage([a, b], Mixing(weights=weights, mode="speculative", lead=lead, k=4))
     got = await spec.generate(prompt(a, temperature=0, max_tokens=30))
     assert got.choices[0].token_ids == want.choices[0].token_ids
     st = spec.tally
@@ -110,8 +111,8 @@ async def test_speculative_equals_full_token_for_token(lead: int) -> None:
     assert st.positions == len(got.choices[0].token_ids)
     # sampling with a seed: the same draws, so the same tokens as full averaging
     for seed in (1, 2, 3):
-        sampled = await LogitAverage([a, b], weights).generate(prompt(a, temperature=1.0, seed=seed, max_tokens=30))
-        spec_s = await LogitAverage([a, b], weights, mode="speculative", lead=lead, k=3).generate(
+        sampled = await LogitAverage([a, b], Mixing(weights=weights)).generate(prompt(a, temperature=1.0, seed=seed, max_tokens=30))
+        spec_s = await LogitAverage([a, b], Mixing(weights=weights, mode="speculative", lead=lead, k=3)).generate(
             prompt(a, temperature=1.0, seed=seed, max_tokens=30))
         assert spec_s.choices[0].token_ids == sampled.choices[0].token_ids
     assert a.active_sessions == b.active_sessions == 0
@@ -119,7 +120,7 @@ async def test_speculative_equals_full_token_for_token(lead: int) -> None:
 
 async def test_speculative_saves_the_other_members_forwards() -> None:
     a, b = FakeEngine("a", script="abcdefghijklmnop"), FakeEngine("b", script="abcdefghijklmnop")
-    spec = LogitAverage([a, b], mode="speculative", k=4)
+    spec = LogitAverage([a, b], Mixing(mode="speculative", k=4))
     out = await spec.generate(prompt(a, temperature=0, max_tokens=16))
     assert out.choices[0].text == "abcdefghijklmnop"
     assert b.steps <= 1 + 16 // 4 + 1  # its prefill, then one forward per round of 4
@@ -129,12 +130,12 @@ async def test_speculative_saves_the_other_members_forwards() -> None:
 async def test_selective_consults_only_where_the_lead_is_unsure() -> None:
     a, b = scripted()
     lead_alone = await a.generate(prompt(a, temperature=0, max_tokens=30))
-    never = LogitAverage([a, b], [0.45, 0.55], mode="selective", gate=0.01)
+    never = LogitAverage([a, b], Mixing(weights=[0.45, 0.55], mode="selective", gate=0.01))
     got = await never.generate(prompt(a, temperature=0, max_tokens=30))
     assert got.choices[0].token_ids == lead_alone.choices[0].token_ids
     assert never.tally.consulted == 0 and never.tally.prompted == [True, False] and b.active_sessions == 0
-    every = LogitAverage([a, b], [0.45, 0.55], mode="selective", gate=1.0)  # top-1 below 1: always unsure
-    fully = await LogitAverage([a, b], [0.45, 0.55]).generate(prompt(a, temperature=0, max_tokens=30))
+    every = LogitAverage([a, b], Mixing(weights=[0.45, 0.55], mode="selective", gate=1.0))  # top-1 below 1: always unsure
+    fully = await LogitAverage([a, b], Mixing(weights=[0.45, 0.55])).generate(prompt(a, temperature=0, max_tokens=30))
     assert (await every.generate(prompt(a, temperature=0, max_tokens=30))).choices[0].token_ids == \
         fully.choices[0].token_ids
     assert every.tally.consulted == every.tally.positions
@@ -156,7 +157,7 @@ async def test_selective_catch_up_is_one_forward_and_exact() -> None:
     """A member consulted after a gap reads the missed tokens in one forward; the ensemble's answer is the one
     where that member stepped every token (full averaging at exactly the consulted positions)."""
     a, b = Moody("a", script="the cat sat on the mat"), FakeEngine("b", script="the cat sit in a hat!", sharpness=3.0)
-    sometimes = LogitAverage([a, b], [0.3, 0.7], mode="selective", gate=0.5)
+    sometimes = LogitAverage([a, b], Mixing(weights=[0.3, 0.7], mode="selective", gate=0.5))
     b_steps = b.steps
     out = await sometimes.generate(prompt(a, temperature=0, max_tokens=30))
     st = sometimes.tally
@@ -228,6 +229,6 @@ async def test_a_dropped_member_leaves_the_others_even_with_zero_weight() -> Non
     """skip: the member with all the weight fails; the one left (weight 0) carries on alone, not NaN."""
     good, bad = FakeEngine("good", script="hello"), FakeEngine("bad", script="zzzzzzzz", fail_after=2)
     dropped: list[str] = []
-    ens = LogitAverage([good, bad], [0, 1], skip=True, on_drop=lambda label, _: dropped.append(label))
+    ens = LogitAverage([good, bad], Mixing(weights=[0, 1]), skip=True, on_drop=lambda label, _: dropped.append(label))
     out = await ens.generate(prompt(good, temperature=0, max_tokens=8))
     assert dropped == ["bad"] and out.choices[0].text.endswith("llo")

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from chorus.engines.core.home import chorus_home
 from chorus.engines.core.registry import ENGINES, engine_kind
+from chorus.engines.families.builders import BUILDERS
 from chorus.errors import ConfigError
 
 __all__ = ["DeriveSpec", "GGUFPin", "ModelSpec", "SamplingDefaults", "chorus_home"]
@@ -39,15 +40,23 @@ class DeriveSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    family: Literal["moe", "graft", "modr", "reasonformer"] = Field(
-        description="moe: sparse upcycling; graft: SOLAR depth up-scaling; modr: recurrent depth with routed LoRA "
-                    "branches; reasonformer: skill-routed reasoning steps with a stop gate")
+    family: str = Field(
+        description="a family of engines/families/builders.py: moe (sparse upcycling), graft (SOLAR depth "
+                    "up-scaling), modr (recurrent depth with routed LoRA branches), reasonformer (skill-routed "
+                    "reasoning steps with a stop gate)")
     base: str = Field(description="a model of this config (its prepared checkpoint) or a checkpoint directory")
     #: the builder's settings: moe {experts, top_k, shared_expert, router, noise, seed}; graft {drop};
     #: modr {prelude, core, coda, branches, rank, alpha, recurrence, max_recurrence, kv_share};
     #: reasonformer {representation, block, coda, skills, kind, rank, adapter_rank, alpha, top_k, max_steps,
     #: stop_threshold, router_dim, router_heads}
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("family")
+    @classmethod
+    def _known(cls, family: str) -> str:
+        if family not in BUILDERS:
+            raise ValueError(f"unknown family {family!r}; known: {', '.join(BUILDERS)}")
+        return family
 
 
 class ModelSpec(BaseModel):

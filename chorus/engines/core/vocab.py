@@ -1,6 +1,6 @@
 """A tokenizer's vocabulary as strings: each token id's text, and text -> token id.
 
-Used where tokens travel as text: the top-k union across vocabularies (ensembles/topk_union.py) and a
+Used where tokens travel as text: the top-k union across vocabularies (ensembles/logit_average/topk_union.py) and a
 remote server's top logprobs, which name tokens by their text (engines/remote/engine.py).
 """
 

@@ -220,3 +220,67 @@ def tiny_llama(out: Path, *, layers: int = 4, hidden: int = 64, heads: int = 4, 
     if tokenizer_from is not None:
         copy_tokenizer(tokenizer_from, out)
     return out
+
+
+@dataclass(frozen=True)
+class OverBase:
+    """A family stored as its own weights beside a reference to a dense Llama-architecture base (MoDr,
+    ReasonFormer): what the two share, once. ``config`` has ``from_json``, ``from_options(n_layers, options)``,
+    ``check(n_layers)`` and ``to_json``; ``model`` is built as ``model(base, cfg)`` and has ``state_tensors`` /
+    ``load_state_tensors``; ``describe(cfg)`` says what a retrofit built."""
+
+    family: str  #: the key of its settings in config.json ("modr")
+    model_type: str  #: config.json's model_type ("chorus_modr")
+    what: str  #: its name in messages ("MoDr")
+    weights: str  #: the safetensors file of its own weights
+    config: Any
+    model: Any
+    describe: Any
+
+    def load_base_model(self, path: Path | str, dtype: torch.dtype = torch.float32) -> Any:
+        return load_llama_model(path, self.what, dtype)
+
+    def is_dir(self, path: Path | str) -> bool:
+        return model_type_of(path) == self.model_type
+
+    def save(self, model: Any, out: Path, *, extra: dict[str, Any] | None = None) -> None:
+        """Write config + the family's weights into ``out`` (an existing empty directory) and the tokenizer files."""
+        save_over_base(out, family=self.family, model_type=self.model_type, cfg=model.cfg.to_json(),
+                       base_config=model.config, tensors=model.state_tensors(), weights=self.weights,
+                       extra={"architectures": [self.model.__name__], **(extra or {})})
+
+    def load(self, path: Path | str, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+        """For serving: every parameter frozen (training turns its own back on); ``overrides`` replace the
+        checkpoint's settings."""
+        from safetensors.torch import load_file
+
+        config, base_dir, base = load_over_base(path, model_type=self.model_type, what=self.what, dtype=dtype)
+        cfg = self.config.from_json({**config[self.family], **overrides})
+        cfg.base = str(base_dir)
+        model = self.model(base, cfg)
+        model.load_state_tensors(load_file(Path(path).expanduser() / self.weights))
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model.to(dtype).eval()
+
+    def retrofit(self, base_dir: Path | str, out: Path | str, options: dict[str, Any] | None = None, *,
+                 force: bool = False, seed: int = 0, log: Any = print) -> Path:
+        """A fresh checkpoint of the family over a Llama-architecture base, its own parts untrained; ``options``
+        as the config's ``from_options`` takes them."""
+        import time
+
+        base_dir = Path(base_dir).expanduser().resolve()
+        out = check_new_dir(out, force)
+        config = read_config(base_dir)
+        check_llama(config, base_dir, f"{self.what} retrofit")
+        n = int(config["num_hidden_layers"])
+        cfg = self.config.from_options(n, options or {})
+        cfg.base = str(base_dir)
+        cfg.check(n)
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        model = self.model(self.load_base_model(base_dir), cfg)
+        with atomic_output(out, force) as tmp:
+            self.save(model, tmp, extra={"seconds": round(time.perf_counter() - t0, 1)})
+        log(f"retrofitted {base_dir.name} into {self.what} ({self.describe(cfg)}) at {out}")
+        return out

@@ -64,6 +64,12 @@ def graft_tensors(base: Base, cfg: GraftConfig) -> tuple[dict[str, Any], dict[st
     return config, tensors
 
 
+def build_graft(base_dir: Path | str, out: Path | str, options: dict[str, Any], *, force: bool = False,
+                log: Any = print) -> Path:
+    """``derive: {family: graft, options: {...}}``: `graft` with a `GraftConfig` of ``options``."""
+    return graft(base_dir, out, GraftConfig(**options), force=force, log=log)
+
+
 def graft(base_dir: Path | str, out: Path | str, cfg: GraftConfig, *, force: bool = False,
           log: Any = print) -> Path:
     out = check_new_dir(out, force)

@@ -208,6 +208,12 @@ def moe_tensors(base: Base, cfg: UpcycleConfig, routers: list[torch.Tensor] | No
     return tensors
 
 
+def build_upcycle(base_dir: Path | str, out: Path | str, options: dict[str, Any], *, force: bool = False,
+                  log: Any = print) -> Path:
+    """``derive: {family: moe, options: {...}}``: `upcycle` with an `UpcycleConfig` of ``options``."""
+    return upcycle(base_dir, out, UpcycleConfig(**options), force=force, log=log)
+
+
 def upcycle(base_dir: Path | str, out: Path | str, cfg: UpcycleConfig, *, force: bool = False,
             log: Any = print) -> Path:
     cfg.check()

@@ -18,6 +18,7 @@ from pathlib import Path
 from chorus.engines.core.registry import prepare_model
 from chorus.engines.core.sources import resolve_gguf
 from chorus.engines.core.spec import ModelSpec
+from chorus.engines.families.builders import build
 from chorus.errors import EngineUnavailable
 
 MANIFEST = "chorus-prepared.json"
@@ -134,7 +135,7 @@ def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[st
                                     f"({', '.join(sorted(models)) or 'none'}) nor a checkpoint directory")
     log(f"{spec.name}: building ({derive.family}) from {base_dir}")
     try:
-        _build(derive.family, base_dir, target, derive.options, log)
+        build(derive.family, base_dir, target, derive.options, log)
     except BuildError as exc:
         raise EngineUnavailable(f"{spec.name}: {exc}") from None
     except TypeError as exc:  # an unknown option name
@@ -143,22 +144,3 @@ def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[st
     (target / MANIFEST).write_text(json.dumps({**manifest, "name": spec.name, "derive": wanted}, indent=2))
     log(f"{spec.name}: ready at {target}")
     return target
-
-
-def _build(family: str, base_dir: Path, out: Path, options: dict, log: Callable[[str], None]) -> None:
-    if family == "moe":
-        from chorus.engines.families.moe import UpcycleConfig, upcycle
-
-        upcycle(base_dir, out, UpcycleConfig(**options), force=True, log=log)
-    elif family == "graft":
-        from chorus.engines.families.graft import GraftConfig, graft
-
-        graft(base_dir, out, GraftConfig(**options), force=True, log=log)
-    elif family == "reasonformer":
-        from chorus.engines.families.reasonformer import build_retrofit as build_reasonformer
-
-        build_reasonformer(base_dir, out, options, force=True, log=log)
-    else:
-        from chorus.engines.families.modr import build_retrofit
-
-        build_retrofit(base_dir, out, options, force=True, log=log)

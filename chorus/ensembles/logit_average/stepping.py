@@ -1,39 +1,23 @@
-"""Token-level stepping shared by the logit-averaging modes (``logit_average.py`` for one shared
-vocabulary, ``topk_union.py`` across vocabularies, ``selective.py`` and ``speculative.py``): member
-weights, the mixture of next-token distributions, what a request's token ensemble cost
-(`EnsembleStats`), and one step of every member with failures named or dropped."""
+"""Token-level stepping shared by the logit-averaging parts (``shared_vocab.py`` and its modes ``full.py``,
+``selective.py``, ``speculative.py``; ``topk_union.py`` across vocabularies): what a request's token ensemble
+did (`EnsembleStats`), the per-token agreement, one step of every member with failures named or dropped, and
+`MemberSessions`, the base of every mode's session."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from chorus.ensembles.call import message
-from chorus.ensembles.spec import member_weights
+from chorus.ensembles.logit_average.mixing import mix
 from chorus.errors import InvalidRequest, MemberFailed
 
-
-def normalised_weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
-    return torch.tensor(member_weights(weights, n), dtype=torch.float32)
-
-
-def mix(logits: Sequence[torch.Tensor], weights: torch.Tensor, space: str, vocab: int,
-        temperature: float = 1.0) -> torch.Tensor:
-    """The members' next-token distributions combined with ``weights`` (normalised over these members):
-    probability space gives ``log sum_i w_i softmax(z_i)`` (log-probabilities: sampling acts on that
-    mixture itself), logit space ``sum_i w_i z_i``. ``temperature`` < 1 sharpens the result."""
-    z = torch.stack([x[:vocab].float() for x in logits])  # (M, V)
-    # the members left may all have weight 0 (the others were dropped): then they count equally
-    w = weights / weights.sum() if weights.sum() > 0 else torch.full_like(weights, 1 / len(weights))
-    if space == "logit":
-        out = (w[:, None] * z).sum(0)
-    else:
-        out = torch.log((w[:, None] * torch.softmax(z, dim=-1)).sum(0).clamp_min(1e-30))
-    return out if temperature == 1.0 else out / temperature
+if TYPE_CHECKING:
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
 
 class TokenAgreement:
@@ -100,6 +84,8 @@ class EnsembleStats:
 
     labels: list[str]
     mode: str = "full"
+    #: every member reads the prompt at once (else, selective, a member prompts when first consulted)
+    eager: bool = True
     positions: int = 0
     consulted: int = 0
     fed: list[int] = field(default_factory=list)
@@ -110,15 +96,16 @@ class EnsembleStats:
     rolled_back: list[int] = field(default_factory=list)
     prompted: list[bool] = field(default_factory=list)  # whether the member read its prompt at all
     agreement: TokenAgreement | None = None  # mode full: per-token agreement of the first sequence
-    #: keep the per-token agreement (two softmaxes and a top-k per member and token): only a trace shows it
+    #: keep the per-token agreement (two softmaxes and a top-k per member and token): the mode keeps one, and
+    #: only a trace shows it
     per_token: bool = True
     _claimed: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.labels)
         self.fed, self.catch_up, self.rolled_back = [0] * n, [0] * n, [0] * n
-        self.prompted = [self.mode != "selective"] * n
-        if self.mode == "full" and self.per_token:
+        self.prompted = [self.eager] * n
+        if self.per_token:
             self.agreement = TokenAgreement(self.labels)
 
     def claim(self) -> TokenAgreement | None:
@@ -129,17 +116,10 @@ class EnsembleStats:
         return self.agreement
 
     def as_trace(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.mode, "positions": self.positions, "consulted": self.consulted,
-                               "ensembled_share": round(self.consulted / self.positions, 4) if self.positions else 0.0,
-                               "fed": dict(zip(self.labels, self.fed))}
-        if self.mode == "selective":
-            out["catch_up"] = dict(zip(self.labels, self.catch_up))
-        if self.mode == "speculative":
-            out.update(proposed=self.proposed, accepted=self.accepted, rounds=self.rounds,
-                       acceptance=round(self.accepted / self.proposed, 4) if self.proposed else 0.0,
-                       mean_accepted=round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
-                       rolled_back=dict(zip(self.labels, self.rolled_back)))
-        return out
+        """What every mode reports; a mode's session class adds its own figures (``trace``)."""
+        return {"mode": self.mode, "positions": self.positions, "consulted": self.consulted,
+                "ensembled_share": round(self.consulted / self.positions, 4) if self.positions else 0.0,
+                "fed": dict(zip(self.labels, self.fed))}
 
 
 
@@ -166,27 +146,49 @@ async def step_members(calls: Sequence[Awaitable[torch.Tensor]], labels: Sequenc
 
 
 class MemberSessions:
-    """One sequence of a token ensemble: each member's own session, the members still in (``alive``: a
-    member that fails is dropped with ``skip``, else the request fails naming it), their weights, space
-    and vocabulary for `mix`, each member's own prompt (``prompts``: a prompt ensemble) or the one given
-    to prefill, and the request's `EnsembleStats`. Closing it closes every member's session."""
+    """One sequence of a token ensemble: each member's own session and the engine that opened it (``owner``: its
+    `Mixing`, weights, vocabulary, labels, each member's own prompt or none, the request's `EnsembleStats`,
+    whether a failed member is skipped). ``alive``: the members still in (a member that fails is dropped with
+    ``skip``, else the request fails naming it). Closing it closes every member's session.
 
-    def __init__(self, members: list[Any], *, weights: torch.Tensor, space: str, vocab: int, labels: list[str],
-                 stats: EnsembleStats, temperature: float = 1.0, prompts: list[list[int]] | None = None,
-                 skip: bool = False, on_close: Callable[[Any], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
+    A mode (registry.py) is a subclass: its ``options`` (the parameters only it takes), whether every member
+    reads the prompt at once (``eager``) and keeps the per-token agreement (``agreement``), its figures for the
+    trace (``trace``) and Prometheus (``count``)."""
+
+    options: ClassVar[frozenset[str]] = frozenset()
+    eager: ClassVar[bool] = True
+    agreement: ClassVar[bool] = False
+
+    def __init__(self, members: list[Any], owner: LogitAverage) -> None:
+        mixing = owner.mixing
         self.members = members
-        self.weights = weights
-        self.space = space
-        self.vocab = vocab
-        self.labels = labels
-        self.stats = stats
-        self.temperature = temperature
-        self.prompts = prompts
-        self.skip = skip
-        self._on_close = on_close
-        self._on_drop = on_drop
+        self.owner = owner
+        self.weights = owner.weights
+        self.space = mixing.space
+        self.vocab = owner.vocab
+        self.labels = list(owner.labels)
+        self.stats = owner.tally
+        self.temperature = mixing.temperature
+        self.prompts = owner.prompts
+        self.skip = owner.skip
+        self._on_drop = owner.on_drop
         self.alive = list(range(len(members)))
+
+    def generating(self) -> None:
+        """This session generates (not a scoring one): a mode that keeps the per-token agreement claims it."""
+
+    @classmethod
+    def new_stats(cls, name: str, labels: list[str], per_token: bool) -> EnsembleStats:
+        return EnsembleStats(labels, name, eager=cls.eager, per_token=per_token and cls.agreement)
+
+    @classmethod
+    def trace(cls, stats: EnsembleStats) -> dict[str, Any]:
+        """The mode's own figures in the request's trace."""
+        return {}
+
+    @classmethod
+    def count(cls, ensemble: str, stats: EnsembleStats) -> None:
+        """The mode's own Prometheus counters for one request."""
 
     def _prompt_of(self, i: int, ids: Sequence[int]) -> list[int]:
         return self.prompts[i] if self.prompts is not None else list(ids)
@@ -209,8 +211,7 @@ class MemberSessions:
     def close(self) -> None:
         for m in self.members:
             m.close()
-        if self._on_close is not None:
-            self._on_close(self)
+        self.owner.closed(self)
 
 
 class LeadSessionBase(MemberSessions):
@@ -218,9 +219,11 @@ class LeadSessionBase(MemberSessions):
     the request. They are driven token by token by the decode loop (``extend`` steps each token) and cannot
     be rolled back themselves."""
 
-    def __init__(self, members: list[Any], *, lead: int, **common: Any) -> None:
-        super().__init__(members, **common)
-        self.lead = lead
+    options = frozenset({"lead"})
+
+    def __init__(self, members: list[Any], owner: LogitAverage) -> None:
+        super().__init__(members, owner)
+        self.lead = owner.mixing.lead
 
     async def _lead_call(self, call: Awaitable[torch.Tensor]) -> torch.Tensor:
         _, (logits,) = await step_members([call], [self.labels[self.lead]], False)

@@ -12,12 +12,16 @@ even prefills its prompt. At consulted positions the mixture may be sharpened (`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chorus.engines.core.base import Session
-from chorus.ensembles.stepping import LeadSessionBase
+from chorus.ensembles.logit_average.stepping import EnsembleStats, LeadSessionBase
+from chorus.ensembles.metrics import TOKEN_CATCH_UP
+
+if TYPE_CHECKING:
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
 
 def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
@@ -31,13 +35,25 @@ def uncertain(logits: torch.Tensor, gate_by: str, gate: float) -> bool:
 class SelectiveSession(LeadSessionBase):
     """One sequence: the lead's session stepped every token, the others' only when consulted."""
 
-    def __init__(self, members: list[Session], *, gate_by: str, gate: float, **common: Any) -> None:
-        super().__init__(members, **common)
-        self.gate_by = gate_by
-        self.gate = gate
+    options = frozenset({"lead", "gate", "gate_by"})
+    eager = False  # the others prefill when first consulted
+
+    def __init__(self, members: list[Session], owner: LogitAverage) -> None:
+        super().__init__(members, owner)
+        self.gate_by = owner.mixing.gate_by
+        self.gate = owner.mixing.gate
         self.started = [i == self.lead for i in range(len(members))]  # the others prefill when first consulted
         self.backlog: list[list[int]] = [[] for _ in members]
         self.prompt: list[int] = []
+
+    @classmethod
+    def trace(cls, stats: EnsembleStats) -> dict[str, Any]:
+        return {"catch_up": dict(zip(stats.labels, stats.catch_up))}
+
+    @classmethod
+    def count(cls, ensemble: str, stats: EnsembleStats) -> None:
+        for label, n in zip(stats.labels, stats.catch_up):
+            TOKEN_CATCH_UP.labels(ensemble, label).inc(n)
 
     @property
     def length(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,13 +37,21 @@ from chorus.engines.core.detokenize import TextAssembler
 from chorus.engines.core.generation import check_context, open_guide
 from chorus.engines.core.sampling import logprob_info, make_generator, sample
 from chorus.engines.core.vocab import vocab_of
-from chorus.ensembles.stepping import normalised_weights, step_members
+from chorus.ensembles.call import Call
+from chorus.ensembles.logit_average.mixing import normalised_weights
+from chorus.ensembles.logit_average.stepping import step_members
 from chorus.errors import CapabilityMismatch, InvalidRequest
+
+if TYPE_CHECKING:
+    from chorus.ensembles.logit_average.strategy import LogitAverageParams, LogitAverageStrategy
 
 EOS = "\x00<eos>"  # the union entry for end-of-sequence
 
 
 class TopkUnion:
+    own_prompts = True  # each member renders the request with its own chat template and tokenizer
+    scores_tokens = False  # no one tokenization to score: choices average the members' distributions
+
     def __init__(self, members: list[Engine], weights: Sequence[float] | None, top_k: int = 10,
                  labels: list[str] | None = None, skip: bool = False,
                  on_drop: Callable[[str, str], None] | None = None) -> None:
@@ -59,6 +68,41 @@ class TopkUnion:
         self.skip = skip
         self.on_drop = on_drop
         self.fed = [0] * len(members)  # tokens fed to each member (usage)
+
+    @classmethod
+    def for_strategy(cls, strategy: LogitAverageStrategy, skip: bool,
+                     on_drop: Callable[[str, str], None] | None = None, prompts: list[list[int]] | None = None,
+                     per_token: bool = True) -> TopkUnion:
+        p = strategy.params
+        if strategy.personas:
+            raise InvalidRequest("per-member system prompts need align: vocab (topk_union renders one prompt per "
+                                 "member's own template already, from the request's messages).",
+                                 param="ensemble.members")
+        return cls([m.engine for m in strategy.members], p.weights, p.top_k,
+                   labels=[m.label for m in strategy.members], skip=skip, on_drop=on_drop)
+
+    @staticmethod
+    def check_params(p: LogitAverageParams) -> None:
+        if p.mode != "full":
+            raise ValueError(f"mode {p.mode!r} needs one shared vocabulary (align: vocab); topk_union "
+                             "ensembles run in mode 'full'")
+        if p.space != "probability":
+            raise ValueError("topk_union averages probabilities over the union's strings: space 'logit' needs "
+                             "align 'vocab'")
+        if p.mixture_temperature != 1.0:
+            raise ValueError("mixture_temperature applies to align 'vocab'; topk_union mixes over the union's "
+                             "strings without it")
+
+    def stream_for(self, reqs: list[GenerationRequest], call: Call) -> AsyncGenerator[Delta, None]:
+        call.trace["note"] = ("top-k union over token strings (UniTE): an approximation of the members' full "
+                              "distributions")
+        return self.stream_requests(reqs)
+
+    def finish(self, call: Call, members: list[Any], reqs: list[GenerationRequest], dropped: list[str],
+               emitted: list[int]) -> None:
+        for i, m in enumerate(members):
+            if m.label not in dropped:
+                call.record(m, len(reqs[i].prompt_ids), self.fed[i])
 
     def union_step(self, alive: list[int], logits: list[torch.Tensor]) -> tuple[list[str], torch.Tensor]:
         """The union of the members' top-k strings and the weighted average of their distributions over it."""

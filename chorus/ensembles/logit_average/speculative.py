@@ -21,27 +21,45 @@ What is saved is the other members' forwards: one per round instead of one per t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chorus.engines.core.base import Session
 from chorus.ensembles.call import gather
-from chorus.ensembles.stepping import LeadSessionBase
+from chorus.ensembles.logit_average.stepping import EnsembleStats, LeadSessionBase
+from chorus.ensembles.metrics import SPECULATIVE_ACCEPTED, SPECULATIVE_PROPOSED
+
+if TYPE_CHECKING:
+    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 
 
 class SpeculativeSession(LeadSessionBase):
     """One sequence: the lead drafts, the others verify a round in one forward, rejected drafts roll back."""
 
-    def __init__(self, members: list[Session], *, k: int, max_len: int, eos: frozenset[int], **common: Any) -> None:
-        super().__init__(members, **common)
-        self.k = k
-        self.max_len = max_len
-        self.eos = eos
+    options = frozenset({"lead", "k"})
+
+    def __init__(self, members: list[Session], owner: LogitAverage) -> None:
+        super().__init__(members, owner)
+        self.k = owner.mixing.k
+        self.max_len = owner.max_model_len
+        self.eos = owner.tokenizer.eos_token_ids
         self.drafts: list[int] = []  # this round's drafts not yet sampled; all but the last were fed
         self.ahead: list[torch.Tensor] = []  # the mixture after each fed draft, in order
         self.prefetched: list[int] = []  # the next round, drafted (and read by the lead) while the others verify
         self.prefetched_rows: list[torch.Tensor] = []
+
+    @classmethod
+    def trace(cls, stats: EnsembleStats) -> dict[str, Any]:
+        return {"proposed": stats.proposed, "accepted": stats.accepted, "rounds": stats.rounds,
+                "acceptance": round(stats.accepted / stats.proposed, 4) if stats.proposed else 0.0,
+                "mean_accepted": round(stats.accepted / stats.rounds, 3) if stats.rounds else 0.0,
+                "rolled_back": dict(zip(stats.labels, stats.rolled_back))}
+
+    @classmethod
+    def count(cls, ensemble: str, stats: EnsembleStats) -> None:
+        SPECULATIVE_PROPOSED.labels(ensemble).inc(stats.proposed)
+        SPECULATIVE_ACCEPTED.labels(ensemble).inc(stats.accepted)
 
     @property
     def length(self) -> int:
