@@ -250,9 +250,14 @@ class CompletionRequest(CompletionFields):
 
 # ---- responses ----
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` (chat and completions): prompt tokens the engine's prefix cache
+    served, as ``prompt_tokens_details.cached_tokens``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -314,7 +319,7 @@ def chat_response(head: ResponseHead, gen: Generation, offered: Tools | None = N
         return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish}
 
     return {**head.base("chat.completion"), "choices": [choice(c) for c in gen.choices],
-            "usage": usage(gen.prompt_tokens, gen.completion_tokens)}
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)}
 
 
 def chat_chunk(head: ResponseHead, delta: Delta | None, *, index: int = 0,
@@ -346,8 +351,9 @@ def chat_tool_chunks(head: ResponseHead, deltas: list[Delta], offered: Tools, lo
 
 
 def completion_response(head: ResponseHead, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
-    return {**head.base("text_completion"), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+                        completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {**head.base("text_completion"), "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_choice(

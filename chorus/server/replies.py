@@ -111,7 +111,8 @@ async def completion_reply(
                     protocol.completion_choice(p * req.n + c.index, echoes[p] + c.text, c.finish_reason, lps)
                 )
         body = {**protocol.completion_response(head, choices, sum(g.prompt_tokens for g in gens),
-                                        sum(g.completion_tokens for g in gens)), **work.trailer()}
+                                               sum(g.completion_tokens for g in gens),
+                                               sum(g.cached_tokens for g in gens)), **work.trailer()}
         settle(request, model, body["usage"])
         return json_response(body)
     streams = await open_streams(request, work)

@@ -227,10 +227,12 @@ def message_text(content: Any, where: str) -> str:
 
 
 # -- out of the chat reply --------------------------------------------------------------------------------------
-def usage_of(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
+def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 

@@ -104,7 +104,7 @@ async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: Rep
     work = ReplyPlan(
         [lambda: engine.generate(gen_req)],
         [lambda: engine.stream(gen_req)],
-        usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion),
+        usage=lambda completion: protocol.usage(len(gen_req.prompt_ids), completion, gen_req.cached_tokens),
         trailer=trace_of([gen_req]),
     )
     return await chat_reply(request, req, protocol.ResponseHead("chatcmpl", req.model, fingerprint(engine)), work,
@@ -125,7 +125,9 @@ async def completions(req: protocol.CompletionRequest, request: Request) -> Resp
                  for g in gen_reqs],
                 [functools.partial(nothing_streamed, req.n) if echo_only else functools.partial(engine.stream, g)
                  for g in gen_reqs],
-                usage=lambda completion: protocol.usage(prompt_tokens, completion), trailer=trace_of(gen_reqs))
+                usage=lambda completion: protocol.usage(prompt_tokens, completion,
+                                                        sum(g.cached_tokens for g in gen_reqs)),
+                trailer=trace_of(gen_reqs))
     echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
     scored = None
     if req.echo and req.logprobs is not None:  # log-likelihood scoring: every prompt token's logprob

@@ -42,7 +42,8 @@ def test_echo_with_logprobs_and_no_tokens(server: LiveServer) -> None:
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
     assert "".join(lp["tokens"]) == "abcab" and lp["text_offset"] == list(range(5))
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_echo_logprobs_come_before_the_completions(server: LiveServer) -> None:

@@ -129,6 +129,8 @@ class GenerationRequest:
     options: dict[str, Any] = field(default_factory=dict)
     #: when not None, the engine fills it with what the model family observed (expert load, MoDr routing)
     trace: dict[str, Any] | None = None
+    #: set by the engine at prefill: prompt tokens read from its prefix cache (usage's ``cached_tokens``)
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -178,6 +180,7 @@ class Generation:
     choices: list[Choice]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  #: prompt tokens read from the engine's prefix cache
 
 
 @runtime_checkable

@@ -162,7 +162,8 @@ class SessionEngine:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         choices = await collect(self.stream(request), request.params.logprobs)
-        return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices))
+        return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices),
+                          request.cached_tokens)
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
                                options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
@@ -191,6 +192,8 @@ class SessionEngine:
             raise
         except Exception as exc:
             raise EngineFailed(f"{self.name}: prefill failed: {exc}") from exc
+        # a prefix cache's hit (the llama.cpp engine's sessions say how many prompt tokens they did not compute)
+        request.cached_tokens = max((getattr(s, "cached", 0) for s, _ in started), default=0)
         if len(started) == 1:  # one choice: decoded in the consumer's task (no task and queue between them)
             session, logits = started[0]
             try:

@@ -36,6 +36,7 @@ from chorus.engines.llama_cpp.options import LlamaCppOptions
 from chorus.engines.llama_cpp.runner import LlamaRunner
 from chorus.engines.llama_cpp.session import LlamaSession
 from chorus.engines.llama_cpp.threads import ThreadPools
+from chorus.engines.runtime.metric import Metric
 from chorus.errors import ConfigError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.engine")
@@ -123,8 +124,11 @@ class LlamaCppEngine(SessionEngine):
         self.tokenizer = tokenizer
         self.sampling_defaults = spec.sampling_defaults.model_dump(exclude_none=True)
         self.max_model_len = max_model_len
+        opts = spec.options
+        assert isinstance(opts, LlamaCppOptions)
         self.runner = LlamaRunner(lib, ctx, n_vocab=n_vocab, max_model_len=max_model_len,
-                                  max_batch_size=spec.max_batch_size, n_batch=n_batch)
+                                  max_batch_size=spec.max_batch_size, n_batch=n_batch,
+                                  cache_slots=opts.prefix_cache_slots, cache_min_tokens=opts.prefix_cache_min_tokens)
 
     @classmethod
     def load(cls, spec: ModelSpec, models: dict[str, ModelSpec] | None = None) -> LlamaCppEngine:
@@ -141,19 +145,22 @@ class LlamaCppEngine(SessionEngine):
         native = int(lib.llama_model_n_ctx_train(model))
         n_batch = opts.n_batch
         per_seq = min(spec.max_model_len or min(native, CONTEXT_CAP), native)
-        n_ctx = opts.n_ctx or per_seq * spec.max_batch_size
-        max_model_len = min(per_seq, n_ctx // spec.max_batch_size)
+        # the sequences that decode, then the prefix cache's (each a KV stream of max_model_len cells)
+        n_seq = spec.max_batch_size + opts.prefix_cache_slots
+        n_ctx = opts.n_ctx or per_seq * n_seq
+        max_model_len = min(per_seq, n_ctx // n_seq)
         if max_model_len < 16:
             lib.llama_model_free(model)
             raise ConfigError(f"model {spec.name!r}: llama_cpp.n_ctx {n_ctx} leaves {max_model_len} cells to each of "
-                              f"{spec.max_batch_size} sequences")
+                              f"{n_seq} sequences ({spec.max_batch_size} decoding, {opts.prefix_cache_slots} "
+                              "for the prefix cache)")
         threads = opts.threads or os.cpu_count() or 1
         threads_batch = opts.threads_batch or threads
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
-        cparams.n_seq_max = spec.max_batch_size
+        cparams.n_seq_max = n_seq
         cparams.n_threads = threads
         cparams.n_threads_batch = threads_batch
         cparams.kv_unified = False  # each sequence its own cells (measured: the unified cache changes a
@@ -198,9 +205,30 @@ class LlamaCppEngine(SessionEngine):
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
 
+    def family_metrics(self) -> list[Metric]:
+        """The prefix cache since start-up: lookups that hit and missed, prompt tokens served from it, evictions
+        (counters), and the tokens and KV bytes it holds now (gauges)."""
+        c = self.runner.cache
+        if not c.enabled:
+            return []
+        return [
+            ("chorus_prefix_cache_lookups_total", "prefix cache lookups by new prompts", ["result"],
+             [(["hit"], float(c.hits)), (["miss"], float(c.misses))]),
+            ("chorus_prefix_cache_hit_tokens_total", "prompt tokens read from the prefix cache", [],
+             [([], float(c.hit_tokens))]),
+            ("chorus_prefix_cache_evictions_total", "cached prefixes evicted (least recently used)", [],
+             [([], float(c.evictions))]),
+            ("chorus_prefix_cache_tokens", "tokens held in the prefix cache", [], [([], float(c.held_tokens))]),
+            ("chorus_prefix_cache_bytes", "KV bytes held in the prefix cache", [],
+             [([], float(c.held_tokens * c.bytes_per_token))]),
+        ]
+
     def stats(self) -> dict[str, int]:
+        cache = self.runner.cache
         return {"active_sessions": self.active_sessions, "decode_steps": self.runner.steps,
-                "free_sequences": len(self.runner.free_seqs)}
+                "free_sequences": len(self.runner.free_seqs), "prefix_cache_hits": cache.hits,
+                "prefix_cache_misses": cache.misses, "prefix_cache_evictions": cache.evictions,
+                "prefix_cache_tokens": cache.held_tokens}
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
                                options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:

@@ -15,3 +15,7 @@ class LlamaCppOptions(BaseModel):
     threads_batch: int | None = Field(default=None, ge=1, description="prefill threads (default: threads)")
     poll: int = Field(default=50, ge=0, le=100, strict=True,
                       description="how long ggml's idle threads spin before they sleep (0-100, llama.cpp's level)")
+    prefix_cache_slots: int = Field(default=4, ge=0, le=64, description="finished prefixes kept for reuse, each in "
+                                    "a sequence of its own (max_model_len KV cells); 0 turns the prefix cache off")
+    prefix_cache_min_tokens: int = Field(default=32, ge=1, description="the shortest prefix worth keeping or "
+                                         "reusing (a copy costs a stream's KV bytes, a few milliseconds)")

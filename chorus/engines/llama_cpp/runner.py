@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from chorus.engines.core.base import gather_ready
-from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, finite, non_finite
+from chorus.engines.llama_cpp.prefix_cache import PrefixCache
+from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite
 from chorus.errors import EngineFailed, InvalidRequest
 
 log = logging.getLogger("chorus.llama_cpp")
@@ -68,7 +69,7 @@ class LlamaRunner:
     """Owns the context; schedules batches (decode steps first, then prefill chunks) on one decode thread."""
 
     def __init__(self, lib: Any, ctx: Any, *, n_vocab: int, max_model_len: int, max_batch_size: int,
-                 n_batch: int, gather_wait_s: float = 0.004) -> None:
+                 n_batch: int, gather_wait_s: float = 0.004, cache_slots: int = 0, cache_min_tokens: int = 32) -> None:
         self.lib = lib
         self.gather_wait_s = gather_wait_s
         self.ctx = ctx
@@ -82,6 +83,10 @@ class LlamaRunner:
         self.decoding: list[LlamaSession] = []  # prefilled sessions that hold a sequence id
         self.waiting: deque[LlamaSession] = deque()  # prompts to prefill, in order
         self.to_free: list[int] = []  # sequence ids of closed sessions, cleared before the next batch
+        # the prefix cache: sequences max_batch_size.. keep finished prefixes (prefix_cache.py)
+        self.cache = PrefixCache(range(max_batch_size, max_batch_size + cache_slots), cache_min_tokens)
+        self.to_keep: dict[int, list[int]] = {}  # a closed sequence's tokens, for the cache
+        self.to_copy: list[tuple[int, int, int]] = []  # cache hits of this batch: (slot, sequence, tokens)
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
         self._row = ctypes.c_float * n_vocab  # a logits row in llama.cpp's buffer
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="llama-decode")
@@ -125,6 +130,8 @@ class LlamaRunner:
         if session in self.decoding:
             self.decoding.remove(session)
         if session.seq is not None:
+            if self.cache.enabled and session.prefilled and session.tokens:
+                self.to_keep[session.seq] = list(session.tokens)
             self.to_free.append(session.seq)
             session.seq = None
         if session.work is not None and not session.work.future.done():
@@ -164,6 +171,8 @@ class LlamaRunner:
                 blocked = blocked or not self._take_ids(s)
                 if s.seq is None:
                     continue  # it waits; a prompt whose sequence is already held goes on
+                if self.cache.enabled and w.done == 0 and s.length == 0:
+                    self._from_cache(s, w)
             take = w.ids[w.done:w.done + room]
             ends = w.done + len(take) == len(w.ids)
             plan.append((s, Feed(s.seq, s.length, take, w.all_logits, ends)))
@@ -178,6 +187,16 @@ class LlamaRunner:
         # gaps 98). Hence the order here, and the lowest free id for each new sequence.
         plan.sort(key=lambda entry: entry[1].seq)
         return plan
+
+    def _from_cache(self, s: LlamaSession, w: Work) -> None:
+        """A new sequence's prompt: start it from the longest cached prefix (the copy runs on the decode thread,
+        before this batch's decode)."""
+        slot, n = self.cache.lookup(w.ids)
+        if slot is None or s.seq is None:
+            return
+        self.to_copy.append((slot.seq, s.seq, n))
+        w.done = s.length = s.cached = n
+        s.tokens = w.ids[:n]
 
     def _take_ids(self, s: LlamaSession) -> bool:
         """Sequence ids for ``s`` and for every other session its request holds open without one (its ``n``
@@ -216,7 +235,8 @@ class LlamaRunner:
                 continue
             self._interrupt.clear()
             try:
-                out, decodes = await loop.run_in_executor(self.thread, self._run, [f for _, f in plan])
+                copies, self.to_copy = self.to_copy, []
+                out, decodes = await loop.run_in_executor(self.thread, self._run, [f for _, f in plan], copies)
             except Exception as exc:  # the whole batch fails; every session in it gets the error
                 log.exception("llama_decode failed")
                 failed = EngineFailed(f"llama.cpp decode failed: {exc}")
@@ -240,6 +260,8 @@ class LlamaRunner:
                     continue
                 w.done += len(f.tokens)
                 s.length += len(f.tokens)
+                if s.recording:
+                    s.tokens.extend(f.tokens)
                 w.rows.append(rows)
                 if f.ends:
                     if s not in self.decoding:
@@ -278,15 +300,25 @@ class LlamaRunner:
         for seq, keep in trims or []:
             self.lib.llama_memory_seq_rm(self.mem, seq, keep, -1)
         for seq in self.to_free:
+            tokens = self.to_keep.pop(seq, None)
+            slot = self.cache.place(tokens) if tokens else None
+            if slot is not None and tokens is not None:  # its prefix into a cache slot (its old cells replaced)
+                self._copy([(seq, slot.seq)])
+                self.lib.llama_memory_seq_rm(self.mem, slot.seq, len(tokens), -1)
+                if not self.cache.bytes_per_token:  # the KV state of one sequence, per token
+                    self.cache.bytes_per_token = int(self.lib.llama_state_seq_get_size(self.ctx, slot.seq)) // len(tokens)
             self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
             heapq.heappush(self.free_seqs, seq)
         self.to_free.clear()
 
-    def _run(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], int]:
-        """On the decode thread: decode the planned feeds and sample the driven ones; then, while every sequence
-        in the batch is driven and the event loop has nothing new, decode their tokens again, and again. Returns
-        the first decode's logits rows (each planned feed's: the event loop settles the plan from them) and how
-        many decodes ran."""
+    def _run(self, feeds: list[Feed], copies: list[tuple[int, int, int]] | None = None) -> tuple[list[torch.Tensor], int]:
+        """On the decode thread: the batch's cache hits copied in (``copies``: slot, sequence, tokens kept), then
+        decode the planned feeds and sample the driven ones; then, while every sequence in the batch is driven
+        and the event loop has nothing new, decode their tokens again, and again. Returns the first decode's
+        logits rows (each planned feed's: the event loop settles the plan from them) and how many decodes ran."""
+        for src, dst, n in copies or []:
+            self._copy([(src, dst)])
+            self.lib.llama_memory_seq_rm(self.mem, dst, n, -1)
         first = out = self._decode(feeds)
         decodes = 1
         while True:

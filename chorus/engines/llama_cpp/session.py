@@ -73,6 +73,11 @@ class LlamaSession:
         self.closed = False
         self.trim_to: int | None = None  # a rollback to apply before the next batch
         self.driving: Drive | None = None
+        # the token ids its cells hold, from the start, as far as known (the prefix cache stores them when it
+        # closes): the prompt and extends; a driven choice's sampled tokens are not recorded (``recording``)
+        self.tokens: list[int] = []
+        self.recording = True
+        self.cached = 0  # prompt tokens its prefill read from the prefix cache
         # the request (else the task) that opened it: the sessions one request holds open without a sequence id
         # take their ids together (`LlamaRunner._take_ids`)
         self.owner = request_scope()
@@ -108,6 +113,7 @@ class LlamaSession:
             return
         check_extend(self.closed, self.prefilled, 1, self.length, self._runner.max_model_len)
         picks: asyncio.Queue[Pick | BaseException] = asyncio.Queue()
+        self.recording = False  # its sampled tokens are fed on the decode thread: the cells past here go unrecorded
         drive = self.driving = Drive(picker, pick.token, self.length, picks.put_nowait)
         self._runner.enqueue(self, False)
         try:
@@ -136,6 +142,7 @@ class LlamaSession:
         check_can_roll_back(self.closed, self.prefilled, self.work is not None or self.driving is not None)
         check_rollback(n, self.length)
         self.length -= n
+        del self.tokens[self.length:]
         self.trim_to = self.length
 
     def waits(self) -> bool:
