@@ -5,8 +5,8 @@ One run, one GGUF, one prompt, greedy, ``--tokens`` tokens per request. Rounds a
 `engine.settle`); each cell gives the best and the median of ``--rounds`` rounds and the ratio to the peer round
 by round (geometric mean, 95% interval). Streaming SSE clients, 1 / 4 / 8 / 16 at once (``--streams``):
 aggregate tokens/s and time to first token. Every request opens with a system message of its own: llama-server
-and llama_cpp.server keep a repeated prompt's KV cells and skip its prefill (chorus does not cache prompts), which with one fixed prompt made their TTFT 0.03 s
-against chorus's 0.13 s (a 42-token prefill of this model takes about 100 ms on 2 cores in all three).
+and llama_cpp.server keep a repeated prompt's KV cells and skip its prefill (as chorus's prefix cache now does), which with one
+fixed prompt made their TTFT 0.03 s against chorus's 0.13 s before chorus cached prompts (a 42-token prefill of this model takes about 100 ms on 2 cores in all three).
 
 Servers:
 - ``chorus serve``, ``engine: llama_cpp`` (this engine);

@@ -143,6 +143,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.llama:main",
         "chorus.bench.llama:add_arguments",
     ),
+    ("bench", "cache"): Command(
+        "prompt caching on the llama.cpp engine, cache on against off: TTFT, a resent chat, n samples",
+        "chorus.bench.cache:main",
+        "chorus.bench.cache:add_arguments",
+    ),
     ("bench", "llama-agreement"): Command(
         "llama.cpp vs transformers on the same GGUF: top-1 agreement, logprob differences, accuracy both ways",
         "chorus.bench.llama_agreement:main",

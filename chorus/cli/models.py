@@ -39,8 +39,9 @@ def list_models(args: argparse.Namespace) -> int:
 
     config = config_of(args)
     home = chorus_home()
-    print(f"{'name':28} {'engine':12} {'device':7} {'state':12} location")
+    print(f"{'name':28} {'engine':12} {'device':7} {'state':12} {'prefix cache':13} location")
     for m in config.models:
-        state, where = engine_kind(m.engine).state(m, home)
-        print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {where}")
+        kind = engine_kind(m.engine)
+        state, where = kind.state(m, home)
+        print(f"{m.name:28} {m.engine:12} {m.device:7} {state:12} {kind.prefix_cache(m):13} {where}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import openai
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from chorus.config import ChorusConfig
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.llama_cpp.engine import LlamaCppEngine
+from chorus.server.auth import hash_key
 from tests.helpers import LiveServer, gateway, require
 
 SYSTEM = " ".join(f"Rule {i}: answer politely and briefly, and cite rule {i} when it applies." for i in range(30))
@@ -100,10 +102,15 @@ async def test_short_prompts_and_disabled_caches_compute_everything() -> None:
         await eng.aclose()
 
 
+ADMIN = "sk-admin-cache"
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     require(importlib.util.find_spec("llama_cpp") is not None, "needs llama-cpp-python: make llama-cpp")
-    with gateway(ChorusConfig.model_validate({"models": [spec(2).model_dump(exclude_unset=True)]}), timeout=300) as srv:
+    config = {"models": [spec(2).model_dump(exclude_unset=True), {"name": "fake", "engine": "fake"}],
+              "server": {"state": {"admin_sha256": hash_key(ADMIN)}}}
+    with gateway(ChorusConfig.model_validate(config), timeout=300) as srv:
         yield srv
 
 
@@ -127,3 +134,21 @@ def test_usage_reports_cached_tokens_through_the_sdk(server: LiveServer) -> None
     assert response.usage is not None and response.usage.input_tokens_details.cached_tokens > 300
     text = client.completions.create(model="smol-cached", prompt=SYSTEM + " Q: hi", max_tokens=2, temperature=0)
     assert text.usage is not None and text.usage.prompt_tokens_details is not None
+
+
+def test_the_admin_api_drops_a_models_prefix_cache(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    client.chat.completions.create(model="smol-cached", messages=messages, max_tokens=2, temperature=0)
+    url = server.url + "/admin/models/smol-cached/prefix-cache"
+    assert httpx.delete(url).status_code == 401
+    dropped = httpx.delete(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60).json()
+    assert dropped["model"] == "smol-cached" and dropped["dropped_tokens"] > 300
+    messages[1]["content"] = QUESTIONS[2]
+    again = client.chat.completions.create(model="smol-cached", messages=messages, max_tokens=2, temperature=0)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    fake = httpx.delete(server.url + "/admin/models/fake/prefix-cache", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert fake.status_code == 400 and "has no prefix cache" in fake.json()["error"]["message"]
+    assert httpx.delete(server.url + "/admin/models/nope/prefix-cache",
+                        headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404

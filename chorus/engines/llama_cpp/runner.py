@@ -289,6 +289,15 @@ class LlamaRunner:
             if c not in self.decoding:
                 self.decoding.append(c)
 
+    async def drop_cache(self) -> int:
+        """Forget every cached prefix: the books now, the cells on the decode thread (after any decode that is
+        running, which may have copied from them already). The tokens they held."""
+        held = self.cache.held_tokens
+        seqs = self.cache.clear()
+        await asyncio.get_running_loop().run_in_executor(
+            self.thread, lambda: [self.lib.llama_memory_seq_rm(self.mem, s, -1, -1) for s in seqs])
+        return held
+
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         """On the decode thread: each destination sequence's cells replaced by a copy of the source's."""
         for src, dst in pairs:
