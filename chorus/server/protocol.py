@@ -62,6 +62,10 @@ class CompletionFields(FamilyFields):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="extension (as vLLM): a cached prompt prefix is reused only by requests with the same salt "
+                    "(a tenant's prompts stay out of another's prefix cache, and so do their timings)")
     ensemble: dict[str, Any] | None = Field(
         default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from chorus.engines.core.base import EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
+from chorus.engines.core.base import CACHE_SALT, EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
 from chorus.errors import InvalidRequest
 from chorus.server import ensemble_calls, protocol
 from chorus.server.replies import ReplyPlan, ReplyShape, chat_reply, completion_reply, nothing, nothing_streamed
@@ -96,6 +96,7 @@ async def chat_completions(req: protocol.ChatCompletionRequest, request: Request
 async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: ReplyShape | None = None) -> Response:
     """A chat request, answered in OpenAI's shape or in another API's (``shape``: the Responses API's)."""
     apply_limits(request, req)
+    CACHE_SALT.set(req.cache_salt)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble, shape)
@@ -114,6 +115,7 @@ async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: Rep
 @router.post("/v1/completions", response_model=None)
 async def completions(req: protocol.CompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
+    CACHE_SALT.set(req.cache_salt)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.completion(request, req, ensemble)

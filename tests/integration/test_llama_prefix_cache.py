@@ -152,3 +152,20 @@ def test_the_admin_api_drops_a_models_prefix_cache(server: LiveServer) -> None:
     assert fake.status_code == 400 and "has no prefix cache" in fake.json()["error"]["message"]
     assert httpx.delete(server.url + "/admin/models/nope/prefix-cache",
                         headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+
+
+def test_a_cache_salt_keeps_tenants_apart(server: LiveServer) -> None:
+    """vLLM's ``cache_salt``: a prefix stored under one salt is reused only under the same salt."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    system = "Tenant rules. " + SYSTEM
+
+    def cached(question: str, salt: str) -> int:
+        out = client.chat.completions.create(
+            model="smol-cached", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2, temperature=0, extra_body={"cache_salt": salt})
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached(QUESTIONS[0], "tenant-a") == 0
+    assert cached(QUESTIONS[1], "tenant-b") == 0  # the same system prompt, another tenant: computed again
+    assert cached(QUESTIONS[2], "tenant-a") > 300

@@ -290,6 +290,9 @@ def check_rollback(n: int, length: int) -> None:
 #: request starts inherit it. An engine whose sequences are scarce (llama.cpp's) gives the sessions one request
 #: holds open their sequences together (`request_scope`).
 REQUEST_SCOPE: contextvars.ContextVar[object | None] = contextvars.ContextVar("chorus_request", default=None)
+#: the request's ``cache_salt`` (vLLM's field): an engine's prefix cache shares prefixes only under one salt; set by
+#: the route for everything the request runs (its sessions, an ensemble's members)
+CACHE_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_salt", default=None)
 
 
 def request_scope() -> object | None:

@@ -37,6 +37,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)
+    salt: str | None = None  # the cache_salt of the request that stored it: only the same salt reuses it
     used: int = 0  # a tick of the cache's clock when last stored or hit (least recently used is evicted)
 
 
@@ -59,15 +60,18 @@ class PrefixCache:
     def held_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.slots)
 
-    def lookup(self, ids: list[int]) -> tuple[Slot | None, int]:
-        """The slot with the longest common prefix of ``ids`` and how many of its tokens to reuse (at most all but
-        the last of ``ids``); (None, 0) below ``min_tokens``. A hit is counted and the slot marked used."""
+    def lookup(self, ids: list[int], salt: str | None = None) -> tuple[Slot | None, int]:
+        """The slot of the same ``salt`` with the longest common prefix of ``ids`` and how many of its tokens to
+        reuse (at most all but the last of ``ids``); (None, 0) below ``min_tokens``. A hit is counted and the slot
+        marked used."""
         if not self.slots or len(ids) <= self.min_tokens:
             if self.slots:
                 self.misses += 1
             return None, 0
         best, n = None, 0
         for s in self.slots:
+            if s.salt != salt:
+                continue
             c = min(common_prefix(s.tokens, ids), len(ids) - 1)
             if c > n:
                 best, n = s, c
@@ -79,16 +83,18 @@ class PrefixCache:
         best.used = next(self._clock)
         return best, n
 
-    def place(self, tokens: list[int]) -> Slot | None:
-        """The slot to store ``tokens`` in (its old tokens replaced), or None when they are not worth storing
-        (shorter than ``min_tokens``) or already held (a prefix of a slot's tokens: that slot is marked used)."""
+    def place(self, tokens: list[int], salt: str | None = None) -> Slot | None:
+        """The slot to store ``tokens`` (under ``salt``) in, its old tokens replaced, or None when they are not
+        worth storing (shorter than ``min_tokens``) or already held (a prefix of a same-salt slot's tokens: that
+        slot is marked used)."""
         if not self.slots or len(tokens) < self.min_tokens:
             return None
         for s in self.slots:
-            if common_prefix(s.tokens, tokens) == len(tokens):
+            if s.salt == salt and common_prefix(s.tokens, tokens) == len(tokens):
                 s.used = next(self._clock)
                 return None
-        extended = [s for s in self.slots if s.tokens and common_prefix(s.tokens, tokens) == len(s.tokens)]
+        extended = [s for s in self.slots
+                    if s.tokens and s.salt == salt and common_prefix(s.tokens, tokens) == len(s.tokens)]
         free = [s for s in self.slots if not s.tokens]
         if extended:
             slot = extended[0]
@@ -98,6 +104,7 @@ class PrefixCache:
             slot = min(self.slots, key=lambda s: s.used)
             self.evictions += 1
         slot.tokens = list(tokens)
+        slot.salt = salt
         slot.used = next(self._clock)
         return slot
 
@@ -105,5 +112,5 @@ class PrefixCache:
         """Forget every slot; the sequences whose cells the runner must clear."""
         held = [s.seq for s in self.slots if s.tokens]
         for s in self.slots:
-            s.tokens = []
+            s.tokens, s.salt = [], None
         return held

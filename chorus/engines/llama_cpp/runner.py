@@ -85,7 +85,7 @@ class LlamaRunner:
         self.to_free: list[int] = []  # sequence ids of closed sessions, cleared before the next batch
         # the prefix cache: sequences max_batch_size.. keep finished prefixes (prefix_cache.py)
         self.cache = PrefixCache(range(max_batch_size, max_batch_size + cache_slots), cache_min_tokens)
-        self.to_keep: dict[int, list[int]] = {}  # a closed sequence's tokens, for the cache
+        self.to_keep: dict[int, tuple[list[int], str | None]] = {}  # a closed sequence's tokens and salt
         self.to_copy: list[tuple[int, int, int]] = []  # cache hits of this batch: (slot, sequence, tokens)
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
         self._row = ctypes.c_float * n_vocab  # a logits row in llama.cpp's buffer
@@ -131,7 +131,7 @@ class LlamaRunner:
             self.decoding.remove(session)
         if session.seq is not None:
             if self.cache.enabled and session.prefilled and session.tokens:
-                self.to_keep[session.seq] = list(session.tokens)
+                self.to_keep[session.seq] = (list(session.tokens), session.salt)
             self.to_free.append(session.seq)
             session.seq = None
         if session.work is not None and not session.work.future.done():
@@ -191,7 +191,7 @@ class LlamaRunner:
     def _from_cache(self, s: LlamaSession, w: Work) -> None:
         """A new sequence's prompt: start it from the longest cached prefix (the copy runs on the decode thread,
         before this batch's decode)."""
-        slot, n = self.cache.lookup(w.ids)
+        slot, n = self.cache.lookup(w.ids, s.salt)
         if slot is None or s.seq is None:
             return
         self.to_copy.append((slot.seq, s.seq, n))
@@ -309,8 +309,8 @@ class LlamaRunner:
         for seq, keep in trims or []:
             self.lib.llama_memory_seq_rm(self.mem, seq, keep, -1)
         for seq in self.to_free:
-            tokens = self.to_keep.pop(seq, None)
-            slot = self.cache.place(tokens) if tokens else None
+            tokens, salt = self.to_keep.pop(seq, (None, None))
+            slot = self.cache.place(tokens, salt) if tokens else None
             if slot is not None and tokens is not None:  # its prefix into a cache slot (its old cells replaced)
                 self._copy([(seq, slot.seq)])
                 self.lib.llama_memory_seq_rm(self.mem, slot.seq, len(tokens), -1)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback, request_scope
+from chorus.engines.core.base import CACHE_SALT, check_can_roll_back, check_extend, check_rollback, request_scope
 from chorus.engines.core.picks import Pick, TokenPicker
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
@@ -78,6 +78,7 @@ class LlamaSession:
         self.tokens: list[int] = []
         self.recording = True
         self.cached = 0  # prompt tokens its prefill read from the prefix cache
+        self.salt = CACHE_SALT.get()  # its request's cache_salt: prefixes are shared only under the same one
         # the request (else the task) that opened it: the sessions one request holds open without a sequence id
         # take their ids together (`LlamaRunner._take_ids`)
         self.owner = request_scope()
