@@ -1,8 +1,10 @@
-"""`chorus bench cache`: prompt caching on the llama.cpp engine, cache on against off, in one run.
+"""`chorus bench cache`: prompt caching, cache on against off, in one run, on either engine.
 
-One ``chorus serve`` with two entries of one GGUF: ``cached`` (``prefix_cache_slots`` as configured, default 4)
-and ``uncached`` (0); requests alternate between them, each started on an idle machine. Greedy, streamed; time to
-first token (TTFT) is measured at the client.
+One ``chorus serve`` with two entries of one model: ``cached`` (the engine's prefix cache as by default:
+``prefix_cache_slots: 4`` on llama.cpp, ``prefix_cache_mib: 256`` on transformers) and ``uncached`` (0); requests
+alternate between them, each started on an idle machine. ``--engine llama_cpp`` loads the model's GGUF,
+``--engine transformers`` its prepared checkpoint (``chorus models prepare``). Greedy, streamed; time to first
+token (TTFT) is measured at the client.
 
 - (a) one long system prompt (``--system-tokens``, about 1,500) and ``--questions`` different short questions:
   the first request of each entry is cold; then each question once on each entry. Rows: cold TTFT, warm TTFT
@@ -13,7 +15,7 @@ first token (TTFT) is measured at the client.
 - (c) ``n = 8`` samples of one GSM8K-length question against one sample on the cached entry (the samples share
   one prefill by forking it, cache or not).
 
-The transformers engine has no prefix cache yet, and llama-server is not a peer here: both are said in the table.
+llama-server is not a peer here (said under the table).
 """
 
 from __future__ import annotations
@@ -86,10 +88,20 @@ def main(args: argparse.Namespace) -> int:
     from chorus.config import load_config
 
     base = load_config(args.config).model(args.model)
-    entry = {"engine": "llama_cpp", **({"source": base.source} if base.source else {"path": base.path}),
-             **({"gguf": base.gguf.model_dump()} if base.gguf else {}), "max_batch_size": 8, "max_model_len": 2048}
-    models = [{**entry, "name": "cached", "llama_cpp": {"threads": args.threads}},
-              {**entry, "name": "uncached", "llama_cpp": {"threads": args.threads, "prefix_cache_slots": 0}}]
+    if args.engine == "llama_cpp":
+        entry = {"engine": "llama_cpp", **({"source": base.source} if base.source else {"path": base.path}),
+                 **({"gguf": base.gguf.model_dump()} if base.gguf else {}), "max_batch_size": 8, "max_model_len": 2048}
+        models = [{**entry, "name": "cached", "llama_cpp": {"threads": args.threads}},
+                  {**entry, "name": "uncached", "llama_cpp": {"threads": args.threads, "prefix_cache_slots": 0}}]
+    else:
+        path = base.checkpoint_dir()
+        if not (path / "config.json").is_file():
+            print(f"chorus bench cache: {args.model} has no checkpoint at {path}; run: chorus models prepare "
+                  f"{args.model}", file=sys.stderr)
+            return 2
+        entry = {"engine": "transformers", "path": str(path), "dtype": base.dtype, "max_batch_size": 8,
+                 "max_model_len": 2048}
+        models = [{**entry, "name": "cached"}, {**entry, "name": "uncached", "transformers": {"prefix_cache_mib": 0}}]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     system = system_prompt(args.system_tokens)
     rows: list[list[str]] = []
@@ -104,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url + "/v1/models", proc, timeout=600)
-            print(f"chorus bench cache: {args.model} through engine: llama_cpp, {args.threads} threads, greedy",
+            print(f"chorus bench cache: {args.model} through engine: {args.engine}, {args.threads} threads, greedy",
                   flush=True)
             rows += workload_a(url, system, args)
             rows += workload_b(url, args)
@@ -117,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
-    print("\nthe transformers engine: no prefix cache yet (not measured); llama-server: not a peer in this bench")
+    print("\nllama-server: not a peer in this bench")
     return 0
 
 
@@ -188,7 +200,9 @@ def workload_c(url: str, args: argparse.Namespace) -> list[list[str]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="a config model whose source is a GGUF")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a config model whose source is a GGUF (llama_cpp) or a prepared checkpoint (transformers)")
+    p.add_argument("--engine", choices=("llama_cpp", "transformers"), default="llama_cpp")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--system-tokens", type=int, default=1500)
     p.add_argument("--questions", type=int, default=16)

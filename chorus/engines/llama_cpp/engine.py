@@ -213,26 +213,12 @@ class LlamaCppEngine(SessionEngine):
         """The prefix cache since start-up: lookups that hit and missed, prompt tokens served from it, evictions
         (counters), and the tokens and KV bytes it holds now (gauges)."""
         c = self.runner.cache
-        if not c.enabled:
-            return []
-        return [
-            ("chorus_prefix_cache_lookups_total", "prefix cache lookups by new prompts", ["result"],
-             [(["hit"], float(c.hits)), (["miss"], float(c.misses))]),
-            ("chorus_prefix_cache_hit_tokens_total", "prompt tokens read from the prefix cache", [],
-             [([], float(c.hit_tokens))]),
-            ("chorus_prefix_cache_evictions_total", "cached prefixes evicted (least recently used)", [],
-             [([], float(c.evictions))]),
-            ("chorus_prefix_cache_tokens", "tokens held in the prefix cache", [], [([], float(c.held_tokens))]),
-            ("chorus_prefix_cache_bytes", "KV bytes held in the prefix cache", [],
-             [([], float(c.held_tokens * c.bytes_per_token))]),
-        ]
+        return c.metrics(c.held_tokens, c.held_tokens * c.bytes_per_token) if c.enabled else []
 
     def stats(self) -> dict[str, int]:
         cache = self.runner.cache
         return {"active_sessions": self.active_sessions, "decode_steps": self.runner.steps,
-                "free_sequences": len(self.runner.free_seqs), "prefix_cache_hits": cache.hits,
-                "prefix_cache_misses": cache.misses, "prefix_cache_evictions": cache.evictions,
-                "prefix_cache_tokens": cache.held_tokens}
+                "free_sequences": len(self.runner.free_seqs), **cache.stats(cache.held_tokens)}
 
     async def prefill_sessions(self, prompt_ids: list[int], n: int,
                                options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:

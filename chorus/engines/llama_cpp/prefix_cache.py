@@ -23,14 +23,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from chorus.engines.core.prefix_books import PrefixCounters, common_prefix
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+__all__ = ["PrefixCache", "Slot", "common_prefix"]
 
 
 @dataclass
@@ -41,15 +36,12 @@ class Slot:
     used: int = 0  # a tick of the cache's clock when last stored or hit (least recently used is evicted)
 
 
-class PrefixCache:
+class PrefixCache(PrefixCounters):
     def __init__(self, seqs: range | list[int], min_tokens: int = 32) -> None:
+        super().__init__()
         self.slots = [Slot(s) for s in seqs]
         self.min_tokens = min_tokens
         self._clock = itertools.count(1)
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.hit_tokens = 0  # prompt tokens read from the cache, all requests together
         self.bytes_per_token = 0  # a cached token's KV bytes (measured by the runner at the first store)
 
     @property
@@ -64,23 +56,11 @@ class PrefixCache:
         """The slot of the same ``salt`` with the longest common prefix of ``ids`` and how many of its tokens to
         reuse (at most all but the last of ``ids``); (None, 0) below ``min_tokens``. A hit is counted and the slot
         marked used."""
-        if not self.slots or len(ids) <= self.min_tokens:
-            if self.slots:
-                self.misses += 1
+        if not self.slots:
             return None, 0
-        best, n = None, 0
-        for s in self.slots:
-            if s.salt != salt:
-                continue
-            c = min(common_prefix(s.tokens, ids), len(ids) - 1)
-            if c > n:
-                best, n = s, c
-        if best is None or n < self.min_tokens:
-            self.misses += 1
-            return None, 0
-        self.hits += 1
-        self.hit_tokens += n
-        best.used = next(self._clock)
+        best, n = self.longest(self.slots, ids, salt, self.min_tokens)
+        if best is not None:
+            best.used = next(self._clock)
         return best, n
 
     def place(self, tokens: list[int], salt: str | None = None) -> Slot | None:

@@ -21,6 +21,10 @@ class FamilyObserver:
     #: the family decides once per sequence, on its prompt (ReasonFormer): a whole-text forward scores a
     #: prompt, and a multiple-choice prefix is prefilled once with its continuations fed after it
     decides_on_prompt = False
+    #: a prompt may start from another prompt's cached keys and values (the engine's prefix cache): false where
+    #: the cache is not one key / value pair per layer and token, or where what the family decides on the whole
+    #: prompt would be skipped
+    reuses_prefixes = True
 
     def check_options(self, options: dict[str, Any], model: str) -> None:
         """A request's model-family options (MoDr's ``recurrence``, ``exit``; ReasonFormer's ``max_steps``,

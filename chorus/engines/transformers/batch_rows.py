@@ -14,6 +14,7 @@ import torch
 
 from chorus.engines.runtime.kv_cache import GrowingCache, cache_from
 from chorus.engines.runtime.observer import FamilyObserver
+from chorus.engines.transformers.prefix_store import Layers
 
 #: the fewest hole columns (rolled back in one row, still used by another) worth a compaction
 COMPACT_MIN = 8
@@ -39,6 +40,11 @@ class PrefillJob:
     done: int = 0
     cache: GrowingCache = field(default_factory=GrowingCache)
     logits: torch.Tensor | None = None
+    #: a prefix cache hit: the entry's layers and how many of their columns seed this prefill (``done`` starts there)
+    seed: tuple[Layers, int] | None = None
+    keep: bool = False  # the prefix cache wants a copy of the prompt's keys and values when done
+    kept: Layers | None = None  # that copy, made on the forward thread
+    salt: str | None = None  # the request's cache_salt: stored and looked up under it
 
     @property
     def cancelled(self) -> bool:

@@ -26,12 +26,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback, gather_ready
+from chorus.engines.core.base import CACHE_SALT, check_can_roll_back, check_extend, check_rollback, gather_ready
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob, resolve
 from chorus.engines.transformers.forward_passes import ForwardPasses
 from chorus.engines.transformers.prefill_plan import plan_prefills
+from chorus.engines.transformers.prefix_store import PrefixStore
 from chorus.errors import ContextLengthExceeded, EngineFailed, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("chorus.batching")
@@ -56,6 +57,7 @@ class BatchedSession:
         self.future: asyncio.Future[torch.Tensor] | None = None
         self.joined = False
         self.closed = False
+        self.cached = 0  # prompt tokens its prefill read from the prefix cache
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -110,6 +112,7 @@ class BatchRunner:
         prefill_chunk: int = 512,
         gather_wait_s: float = 0.004,
         observer: FamilyObserver | None = None,
+        prefix: PrefixStore | None = None,
     ) -> None:
         self.model = model
         #: the model family's hooks around every forward (dense: none)
@@ -124,6 +127,8 @@ class BatchRunner:
         self.sessions: set[BatchedSession] = set()
         self.batch = BatchRows(self.device, self.observer)
         self.prefills: deque[PrefillJob] = deque()
+        #: finished prompts' keys and values for reuse (off: budget 0, or a family that cannot reuse them)
+        self.prefix = prefix if prefix is not None and self.observer.reuses_prefixes else PrefixStore(0)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_delivered: list[BatchedSession] = []
@@ -178,8 +183,15 @@ class BatchRunner:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()
         job = PrefillJob(list(sessions), ids, asyncio.get_running_loop().create_future())
+        salt = CACHE_SALT.get()
+        entry, cached = self.prefix.lookup(ids, salt)
+        if entry is not None:
+            job.seed, job.done = (entry.layers, cached), cached
+        job.keep = self.prefix.wants(ids, salt)
+        job.salt = salt
         for s in sessions:
             s.future = job.future
+            s.cached = cached
         self.prefills.append(job)
         self.wake()
         try:
@@ -240,6 +252,9 @@ class BatchRunner:
             if job.logits is None:
                 continue
             self.prefills.remove(job)
+            if job.kept is not None:
+                self.prefix.store(job.ids, job.salt, job.kept)
+                job.kept = None
             if not job.cancelled:
                 self.batch.join(job)
                 resolve(job.future, job.logits)

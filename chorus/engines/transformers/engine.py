@@ -14,9 +14,11 @@ from chorus.engines.core.base import TokenLogprob, TopLogprob
 from chorus.engines.core.generation import SessionEngine
 from chorus.engines.core.hf_tokenizer import HFTokenizer
 from chorus.engines.core.spec import ModelSpec, chorus_home
+from chorus.engines.runtime.metric import Metric
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batching import BatchedSession, BatchRunner
 from chorus.engines.transformers.options import TransformersOptions
+from chorus.engines.transformers.prefix_store import PrefixStore
 from chorus.errors import EngineUnavailable
 
 log = logging.getLogger("chorus.engine")
@@ -50,8 +52,10 @@ class TransformersEngine(SessionEngine):
         default = native if spec.device != "cpu" else min(native, CPU_CONTEXT_CAP)
         self.max_model_len = min(spec.max_model_len or default, native)
         self.observer = observer_for(model)
+        opts = spec.options if isinstance(spec.options, TransformersOptions) else TransformersOptions()
+        prefix = PrefixStore(opts.prefix_cache_mib << 20, opts.prefix_cache_min_tokens)
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
-                                  prefill_chunk=spec.prefill_chunk, observer=self.observer)
+                                  prefill_chunk=spec.prefill_chunk, observer=self.observer, prefix=prefix)
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """A plain (or grafted) model scores the whole prompt in one forward on the runner's thread, and so
@@ -165,6 +169,16 @@ class TransformersEngine(SessionEngine):
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
 
+    async def drop_prefix_cache(self) -> int:
+        """Forget every cached prefix (the admin API); the tokens they held."""
+        return self.runner.prefix.clear()
+
+    def family_metrics(self) -> list[Metric]:
+        """The model family's (`FamilyObserver.metrics`), and the prefix cache's when it is on."""
+        c = self.runner.prefix
+        return super().family_metrics() + (c.metrics(c.held_tokens, c.held_bytes) if c.enabled else [])
+
     def stats(self) -> dict[str, int]:
+        c = self.runner.prefix
         return {"active_sessions": self.active_sessions, "batch_rows": len(self.runner.rows),
-                "forward_steps": self.runner.steps}
+                "forward_steps": self.runner.steps, **(c.stats(c.held_tokens) if c.enabled else {})}

@@ -13,6 +13,8 @@ from chorus.engines.runtime.kv_cache import GrowingCache, cache_from
 from chorus.engines.runtime.observer import FamilyObserver
 from chorus.engines.transformers.attention_masks import AttentionMasks
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob
+from chorus.engines.transformers.prefill_plan import split_plan
+from chorus.engines.transformers.prefix_store import copy_layers
 
 
 class ForwardPasses:
@@ -30,10 +32,13 @@ class ForwardPasses:
         """One decode forward for every row (row r feeds its tokens left-aligned in W columns; rows with fewer
         or none get masked padding columns) and this step's prefill work. Returns (n_r, V) logits per row."""
         out = self._decode(batch, decode) if decode else []
-        if len(jobs) == 1:
-            self._prefill_chunk(*jobs[0])
-        elif jobs:
-            self._prefill_group([job for job, _ in jobs])
+        alone, together = split_plan(jobs)
+        for job, n in alone:
+            self._prefill_chunk(job, n)
+        if len(together) == 1:
+            self._prefill_chunk(together[0], len(together[0].ids))
+        elif together:
+            self._prefill_group(together)
         return out
 
     def _decode(self, batch: BatchRows, decode: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -66,6 +71,9 @@ class ForwardPasses:
         return res
 
     def _prefill_chunk(self, job: PrefillJob, n: int) -> None:
+        if job.seed is not None:  # a prefix cache hit: its columns are the cache this chunk extends
+            layers, cached = job.seed
+            job.cache, job.seed = cache_from([(k[:, :, :cached], v[:, :, :cached]) for k, v in layers]), None
         p = job.done
         ids = torch.tensor([job.ids[p : p + n]], device=self.device)  # (1, L)
         pos = torch.arange(p, p + n, device=self.device).unsqueeze(0)  # (1, L)
@@ -75,6 +83,7 @@ class ForwardPasses:
         job.done += n
         if job.done == len(job.ids):
             job.logits = res.logits[0, -1, :].float().cpu()
+            keep(job)
 
     def _prefill_group(self, jobs: list[PrefillJob]) -> None:
         """Several whole prompts in one right-padded forward; each then gets its own trimmed cache."""
@@ -98,6 +107,7 @@ class ForwardPasses:
             job.cache = cache_from([(l.keys[row : row + 1, :, :n], l.values[row : row + 1, :, :n])
                                      for l in cache.growing])
             job.done = n
+            keep(job)
 
     def score(self, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For positions 1.., the logprob of each token given the ones before it (L-1,), and the top ``k``
@@ -146,3 +156,9 @@ class ForwardPasses:
             out.append(chosen[at : at + len(c)])
             at += len(c)
         return out
+
+
+def keep(job: PrefillJob) -> None:
+    """A finished prefill the prefix cache wants: a compact copy of its keys and values (stored on the event loop)."""
+    if job.keep:
+        job.kept = copy_layers([(l.keys, l.values) for l in job.cache.growing], len(job.ids))

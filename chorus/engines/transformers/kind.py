@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from chorus.engines.core.spec import ModelSpec
 
 
+#: derived families whose observer does not reuse prefixes (`FamilyObserver.reuses_prefixes`)
+NO_PREFIX_REUSE = ("modr", "reasonformer")
+
+
 class TransformersKind(EngineKind):
     name = "transformers"
     engine = "chorus.engines.transformers.engine:TransformersEngine"
@@ -39,6 +43,13 @@ class TransformersKind(EngineKind):
         else:
             word = "local" if (d / "config.json").is_file() else "missing"
         return word, str(d)
+
+    def prefix_cache(self, spec: ModelSpec) -> str:
+        assert isinstance(spec.options, TransformersOptions)
+        if spec.derive is not None and spec.derive.family in NO_PREFIX_REUSE:
+            return "-"
+        mib = spec.options.prefix_cache_mib
+        return f"{mib} MiB" if mib else "off"
 
     def prepare(self, spec: ModelSpec, home: Path, *, force: bool, log: Callable[[str], None],
                 models: dict[str, ModelSpec]) -> Path:

@@ -19,3 +19,7 @@ class TransformersOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     modr: ModrServing = Field(default_factory=ModrServing)
+    prefix_cache_mib: int = Field(default=256, ge=0, description="memory for finished prompts' keys and values "
+                                  "kept for reuse (MiB); 0 turns the prefix cache off")
+    prefix_cache_min_tokens: int = Field(default=32, ge=1, description="the shortest prefix worth keeping or "
+                                         "reusing")

@@ -47,6 +47,8 @@ class RoutingObserver(FamilyObserver):
     forward, and records the branch per step and the steps used per token afterwards (``session.family``),
     plus totals since start-up for Prometheus (a collapsed router shows as one branch taking everything)."""
 
+    reuses_prefixes = False  # a slot per recurrence step, and a request's recurrence changes what is cached
+
     def __init__(self, model: MoDrModel) -> None:
         self.model = model
         self.branch_totals = [0] * model.cfg.branches

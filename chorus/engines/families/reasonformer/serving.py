@@ -51,6 +51,7 @@ class ReasonObserver(FamilyObserver):
     hands it back for every later forward of the sequence, and counts skill weights and steps since start-up."""
 
     decides_on_prompt = True
+    reuses_prefixes = False  # its skill choice reads the whole prompt, and its cache has a slot per step
 
     def __init__(self, model: ReasonFormerModel) -> None:
         self.model = model
