@@ -14,6 +14,9 @@ token (TTFT) is measured at the client.
   conversation's seconds on each entry, ``--rounds`` times, and the ratio.
 - (c) ``n = 8`` samples of one GSM8K-length question against one sample on the cached entry (the samples share
   one prefill by forking it, cache or not).
+- (d) Exchange-of-Thought (two agents of the model, memory topology, up to 3 rounds) and mixture-of-agents (two
+  proposers, the model as judge), one ensemble over each entry, on ``--ensemble-questions`` one-line questions
+  (``--chat-tokens`` a call): seconds end to end, paired by question.
 
 llama-server is not a peer here (said under the table).
 """
@@ -102,12 +105,13 @@ def main(args: argparse.Namespace) -> int:
         entry = {"engine": "transformers", "path": str(path), "dtype": base.dtype, "max_batch_size": 8,
                  "max_model_len": 2048}
         models = [{**entry, "name": "cached"}, {**entry, "name": "uncached", "transformers": {"prefix_cache_mib": 0}}]
+    config = {"models": models, "ensembles": [e for m in ("cached", "uncached") for e in ensembles(m)]}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     system = system_prompt(args.system_tokens)
     rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         cfg = Path(tmpdir) / "cache.yaml"
-        cfg.write_text(json.dumps({"models": models}))
+        cfg.write_text(json.dumps(config))
         port = free_port()
         log = Path(tmpdir) / "serve.log"
         proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
@@ -118,9 +122,8 @@ def main(args: argparse.Namespace) -> int:
             wait_ready(url + "/v1/models", proc, timeout=600)
             print(f"chorus bench cache: {args.model} through engine: {args.engine}, {args.threads} threads, greedy",
                   flush=True)
-            rows += workload_a(url, system, args)
-            rows += workload_b(url, args)
-            rows += workload_c(url, args)
+            for w in args.workloads:
+                rows += workload_a(url, system, args) if w == "a" else WORKLOADS[w](url, args)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -199,6 +202,40 @@ def workload_c(url: str, args: argparse.Namespace) -> list[list[str]]:
              f"{e:.1f} / {o:.1f}", "-", f"{e / o:.2f}x of one sample", str(args.rounds)]]
 
 
+def workloads(text: str) -> str:
+    if not text or set(text) - set("abcd"):
+        raise argparse.ArgumentTypeError("give letters of a, b, c, d (e.g. 'ad')")
+    return text
+
+
+def ensembles(model: str) -> list[dict[str, Any]]:
+    """Exchange-of-Thought and mixture-of-agents over one entry (two differently prompted agents each)."""
+    agents = [{"model": model, "name": "careful", "system": "You are a careful assistant. Check every step."},
+              {"model": model, "name": "quick", "system": "You are a quick, intuitive assistant.", "seed": 7}]
+    return [{"name": f"eot-{model}", "strategy": "exchange_of_thought", "topology": "memory", "answer": "auto",
+             "max_rounds": 3, "members": agents},
+            {"name": f"moa-{model}", "strategy": "mixture_of_agents", "layers": 1, "aggregator": model,
+             "members": agents}]
+
+
+def workload_d(url: str, args: argparse.Namespace) -> list[list[str]]:
+    rows = []
+    questions = QUESTIONS[: args.ensemble_questions]
+    for strategy in ("eot", "moa"):
+        times: dict[str, list[float]] = {"cached": [], "uncached": []}
+        for i, q in enumerate(questions):
+            for m in (("cached", "uncached") if i % 2 == 0 else ("uncached", "cached")):
+                times[m].append(ask(url, {"model": f"{strategy}-{m}", "messages": [{"role": "user", "content": q}],
+                                          "max_tokens": args.chat_tokens, "temperature": 0})[1])
+        c, u = statistics.median(times["cached"]), statistics.median(times["uncached"])
+        rows.append([f"(d) {strategy}, one-line questions", "seconds a question, median", f"{c:.1f}", f"{u:.1f}",
+                     paired_ratio(times["cached"], times["uncached"]), str(len(questions))])
+    return rows
+
+
+WORKLOADS = {"b": workload_b, "c": workload_c, "d": workload_d}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a config model whose source is a GGUF (llama_cpp) or a prepared checkpoint (transformers)")
@@ -209,3 +246,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--chat-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ensemble-questions", type=int, default=10)
+    p.add_argument("--workloads", default="abcd", type=workloads, help="which of a, b, c, d to run (default: all)")
