@@ -36,7 +36,7 @@ DIGIT = re.compile(r"\d")
 NUMBERS = re.compile(r"\d+(?:[.,]\d+)?")
 ASKS = re.compile(r"\b(how|what|calculate|find|compute)\b", re.IGNORECASE)
 SENTENCE = re.compile(r"[^.?!]+[.?!]*")
-PLACEHOLDER_LINE = re.compile(r"^the answer is:? (x|\.\.\.)\.?$")
+PLACEHOLDER_LINE = re.compile(r"^[\"']?the answer is:? [\"']?(x|\.\.\.)[\"']?\.?[\"']?\.?$")
 # where a small model starts writing the exchange prompt itself ("Agent quick: ...", "User: ...")
 SCAFFOLD = re.compile(r"^\s*(agent \w+( \(confidence [\d.]+\))?:|your previous solution:|solutions from other agents:|"
                       r"use the other solutions|(user|assistant|system)( \w+)?:)", re.IGNORECASE | re.MULTILINE)

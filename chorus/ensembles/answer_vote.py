@@ -164,6 +164,9 @@ class AnswerVote(Strategy):
             done, stopped = settled(t, remaining, p.stop, p.confidence)
             if done:
                 break
+            if alive and d.all() and call.over_budget("the next batch"):
+                stopped = call.stopped or ""
+                break
         ranked = ranked_samples(d.all(), t)
         if not ranked:
             call.survivors([], self.members)  # every member failed: raises with their errors

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -243,8 +243,15 @@ class Ensemble:
         if sampling({}).logit_bias:
             raise InvalidRequest("'logit_bias' names token ids of one vocabulary; an ensemble's members each have "
                                  "their own: send it to a single model.", param="logit_bias")
-        call = Call(s.members, prompt, sampling, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
-                    detail=self.spec.trace, n=n)
+        spec = self.spec
+
+        def bounded(defaults: dict[str, float]) -> SamplingParams:
+            """The client's sampling; a member call's length is ``call_max_tokens`` when the client gave none."""
+            params = sampling(defaults)
+            return params if params.max_tokens is not None else replace(params, max_tokens=spec.call_max_tokens)
+
+        call = Call(s.members, prompt, bounded, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
+                    detail=spec.trace, n=n, deadline_s=spec.deadline_s, max_total_tokens=spec.max_total_tokens)
         s.precheck(call)
         return call
 

@@ -4,6 +4,7 @@ member requests and keeps their usage, failures and trace."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -130,6 +131,24 @@ class Call:
     requests: list[tuple[Member, GenerationRequest]] = field(default_factory=list)
     #: the choices the client asked for (token-level strategies and those with ``answers_n``)
     n: int = 1
+    #: the request's bounds (`EnsembleSpec`): seconds from the start, completion tokens of every member call
+    deadline_s: float | None = None
+    max_total_tokens: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    stopped: str | None = None  # why the budget ended the work early (None: it did not)
+
+    def over_budget(self, before: str) -> bool:
+        """Whether the deadline or the token budget is spent, so that ``before`` (a new round, the judge, ...)
+        must not start; the first such stop is recorded for the trace."""
+        if self.deadline_s is not None and time.monotonic() - self.started >= self.deadline_s:
+            why = f"deadline of {self.deadline_s:g} s"
+        elif self.max_total_tokens is not None and self.usage.completion_tokens >= self.max_total_tokens:
+            why = f"token budget of {self.max_total_tokens}"
+        else:
+            return False
+        if self.stopped is None:
+            self.stopped = f"{why} reached before {before}"
+        return True
 
     def request(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
                 **overrides: Any) -> GenerationRequest:
@@ -201,8 +220,10 @@ class Call:
         return alive
 
     def final_trace(self) -> dict[str, Any]:
+        budget = {"deadline_s": self.deadline_s, "max_total_tokens": self.max_total_tokens,
+                  "elapsed_s": round(time.monotonic() - self.started, 3), "stopped": self.stopped}
         return {**self.trace, "usage_by_member": {k: u.as_dict() for k, u in self.by_member.items()},
-                "usage": self.usage.as_dict()}
+                "usage": self.usage.as_dict(), "budget": budget}
 
 
 def message(exc: BaseException) -> str:

@@ -111,6 +111,8 @@ class Cascade(Strategy):
         last = len(self.members) - 1
         best: tuple[float, Choice, str] | None = None  # if the later members fail, the most confident answer
         for i, m in enumerate(self.members):
+            if best is not None and call.over_budget(f"asking {m.label}"):
+                break  # the most confident answer so far
             if p.confidence == "agreement":
                 drawn = await drawer.draw(m, p.samples)
                 found = agreed_choice(drawn)
@@ -143,6 +145,7 @@ class Cascade(Strategy):
             call.survivors([], self.members)  # every member failed: raises with the errors
             return
         conf, chosen, label = best
-        reason = f"accepted: the later members failed; {label} was the most confident ({conf:.4f})"
+        why = call.stopped if call.stopped is not None else "the later members failed"
+        reason = f"accepted: {why}; {label} was the most confident ({conf:.4f})"
         call.trace.update({"winner": {"member": label}, "reason": reason})
         yield Delta(0, chosen.text, finish_reason=chosen.finish_reason)

@@ -68,6 +68,8 @@ class ConsistencySelect(Strategy):
             left = p.samples - len(d.samples[m.label])
             if settled(tally(d.samples[m.label]), left, p.stop, p.confidence)[0]:
                 return
+            if d.call.over_budget(f"{m.label}'s next batch"):
+                return
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         d = Drawer(call, self.params)

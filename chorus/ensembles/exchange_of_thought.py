@@ -3,9 +3,12 @@
 Round 0: every agent answers. If all answers agree, stop before any exchange. Each later round, agent
 i sees its own latest solution and those of the peers its row of the visibility matrix names (from
 round 2 on with each peer's confidence), and writes a fresh solution. Stop when all latest answers
-agree, or after ``max_rounds``; the final answer is the majority of the last round (empty answers
-ignored, ties to the earliest agent), and the content is the first agent with that answer's last
-solution, in its own words. Members of a round run concurrently.
+agree, or after ``max_rounds``, or once the request's bounds are spent (``deadline_s``, ``max_total_tokens``:
+no new round starts). Each agent's answer is its latest extractable one (a small model that loses its answer in
+a later round, e.g. by copying the instruction's placeholder, keeps the one it gave before; agents that never gave
+one are ignored); the final answer is their majority (ties to the earliest agent), and the content is the first
+agent with that answer's solution from the round it gave it, in its own words. Members of a round run
+concurrently; each call's length is the request's ``max_tokens`` (else ``call_max_tokens``).
 
 ``answer`` says what kind of answer is compared: ``number``, ``choice`` (a letter), ``yes_no``, ``text``
 (a short free-text answer: two agree when their normalised texts are equal or their embeddings' cosine is
@@ -150,16 +153,22 @@ class ExchangeOfThought(Strategy):
             text[m.index], finish[m.index] = self.reply_text(g.choices[0].text, question, kind), g.choices[0].finish_reason
             agents.append({"member": m.label, "sees": [], "extracted": self.answer_of(text[m.index], kind),
                            "text": text[m.index]})
+        said: dict[int, tuple[str, str, str]] = {}  # per agent: its latest extractable answer, with text and finish
         for m, a, c in zip(active, agents, await canon.canon([a["extracted"] for a in agents])):
             history[m.index] = [c]
             a["answer"] = c
+            if c:
+                said[m.index] = (c, text[m.index], finish[m.index])
         rounds.append({"round": 0, "agents": agents})
-        latest = [history[m.index][-1] for m in active]
+        latest = [said.get(m.index, ("",))[0] for m in active]
         if agreed(latest):
             reason = "unanimous at round 0: stopped before any exchange"
         else:
             reason = f"max_rounds ({self.params.max_rounds}) reached: majority of the last round"
             for r in range(1, self.params.max_rounds + 1):
+                if call.over_budget(f"round {r}"):
+                    reason = f"{call.stopped}: majority of the last round"
+                    break
                 prompts: list[list[dict[str, Any]]] = []
                 agents = []
                 for m in active:
@@ -183,14 +192,18 @@ class ExchangeOfThought(Strategy):
                 for (m, a), c in zip(done, await canon.canon([a["extracted"] for _, a in done])):
                     history[m.index].append(c)
                     a["answer"] = c
+                    if c:
+                        said[m.index] = (c, text[m.index], finish[m.index])
                 active = [m for m, _ in call.survivors([m if m in kept else None for m in active], active)]
                 rounds.append({"round": r, "agents": agents})
-                latest = [history[m.index][-1] for m in active]
+                latest = [said.get(m.index, ("",))[0] for m in active]
                 if agreed(latest):
                     reason = f"all agents agreed after round {r}"
                     break
         final = majority(latest)
-        winner = next((m for m in active if history[m.index][-1] == final), active[0])
+        winner = next((m for m in active if latest[active.index(m)] == final), active[0])
+        if final:  # the winner's words where it gave that answer (a later round may have lost its answer)
+            _, text[winner.index], finish[winner.index] = said[winner.index]
         if not final:
             reason += "; no agent gave an extractable answer"
         if kind == "text":

@@ -154,11 +154,19 @@ class MixtureOfAgents(Strategy):
         answers: list[str] = []
         alive: list[tuple[Member, Generation]] = []
         for layer in range(self.params.layers):
+            if layer and call.over_budget(f"layer {layer}"):
+                break
             alive = await self.propose(call, layer, messages, answers)
             answers = [g.choices[0].text for _, g in alive]
             layers.append([{"member": m.label, "text": g.choices[0].text} for m, g in alive])
         judge: dict[str, Any] = {"model": self.aggregator.spec.model, "label": self.aggregator.label}
         call.trace["judge"] = judge
+        if call.over_budget("the judge"):  # the first proposal of the last layer answers
+            m, g = alive[0]
+            judge["skipped"] = True
+            call.trace.update({"winner": {"member": m.label}, "reason": f"{call.stopped}: the first proposal"})
+            yield Delta(0, g.choices[0].text, finish_reason=g.choices[0].finish_reason)
+            return
         if self.params.skip_judge:
             judge.update(await self.agreement(call, alive))
             if judge.get("skipped"):

@@ -37,6 +37,14 @@ class EnsembleSpec(BaseModel):
     trace: bool = False
     on_member_error: Literal["fail", "skip"] | None = Field(
         default=None, description="default: skip for text-level strategies, fail for token-level ones")
+    #: the bounds of one request (docs/ensembles.md, "Bounds"): once past the deadline or the token budget, a
+    #: strategy starts no new round, sample batch, cascade step or judge and answers with what it has
+    deadline_s: float | None = Field(default=30.0, gt=0, le=3600, description=(
+        "seconds after which no new member work starts (null: none)"))
+    max_total_tokens: int | None = Field(default=4096, ge=1, description=(
+        "completion tokens of all member calls together after which no new member work starts (null: none)"))
+    call_max_tokens: int = Field(default=256, ge=1, description=(
+        "a member call's max_tokens when the request gives none (a request's max_tokens is the answer's length)"))
 
     @field_validator("members", mode="before")
     @classmethod

@@ -34,6 +34,9 @@ def model_card(request: Request, name: str) -> dict[str, Any]:
         card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else (
             "embedding" if EMBEDDINGS in engine.capabilities else "language_model")
         card["capabilities"] = sorted(engine.capabilities)
+        spec = next((m for m in request.app.state.config.models if m.name == name), None)
+        if spec is not None and spec.description:
+            card["description"] = spec.description
         if EMBEDDINGS in engine.capabilities:
             card["embedding"] = getattr(engine, "description", {})
         if TOOLS in engine.capabilities:  # how functions reach it: its own template, or chorus's JSON fallback

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
 import pytest
+import yaml
 
 from chorus.ensembles.similarity import Embedder
 from tests.helpers import GEMMA, SMOL
 
 pytestmark = pytest.mark.integration
 Q = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+# the discussion ensembles of deploy/configs/discussion.yaml (not served by default), asked for per request
+DISCUSSION = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "configs" / "discussion.yaml").read_text())
+EOT, MOA = ({k: v for k, v in e.items() if k not in ("name", "description")} for e in DISCUSSION["ensembles"])
 
 
 def ask(sdk: openai.OpenAI, model: str, ensemble: dict[str, Any] | None = None, **kw: Any) -> Any:
@@ -23,7 +30,7 @@ def ask(sdk: openai.OpenAI, model: str, ensemble: dict[str, Any] | None = None, 
 def test_named_default_ensembles_are_listed(sdk: openai.OpenAI) -> None:
     cards = {m.id: m.model_extra.get("ensemble") for m in sdk.models.list()}
     strategies = {c["strategy"] for c in cards.values() if c}
-    assert strategies == {"logit_average", "crowd_vote", "exchange_of_thought", "mixture_of_agents", "route", "cascade"}
+    assert strategies == {"logit_average", "crowd_vote", "answer_vote", "route", "cascade"}
     assert cards["unite-default"]["members"] == [SMOL, GEMMA]
 
 
@@ -73,19 +80,19 @@ def test_crowd_vote_from_members(sdk: openai.OpenAI) -> None:
 
 def test_exchange_of_thought(sdk: openai.OpenAI) -> None:
     q = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have now?"}]
-    resp = sdk.chat.completions.create(model="eot-default", messages=q, temperature=0, max_tokens=48,
-                                       extra_body={"ensemble": {"trace": True, "max_rounds": 1}})
+    resp = sdk.chat.completions.create(model=SMOL, messages=q, temperature=0, max_tokens=48,
+                                       extra_body={"ensemble": {**EOT, "trace": True, "max_rounds": 1}})
     t = resp.model_extra["ensemble"]
     assert 1 <= len(t["rounds"]) <= 2 and t["reason"]
     assert t["usage"]["calls"] == 3 * len(t["rounds"])
     assert resp.choices[0].message.content
 
 
-def test_eot_default_answers_a_general_question_in_plain_text(sdk: openai.OpenAI) -> None:
+def test_eot_answers_a_general_question_in_plain_text(sdk: openai.OpenAI) -> None:
     """answer: auto reads a general question as text; the members' replies agree on Paris (in their words)."""
     q = [{"role": "user", "content": "What is the capital of France?"}]
-    resp = sdk.chat.completions.create(model="eot-default", messages=q, temperature=0, max_tokens=48,
-                                       extra_body={"ensemble": {"trace": True, "max_rounds": 1}})
+    resp = sdk.chat.completions.create(model=SMOL, messages=q, temperature=0, max_tokens=48,
+                                       extra_body={"ensemble": {**EOT, "trace": True, "max_rounds": 1}})
     t = resp.model_extra["ensemble"]
     assert t["answer_type"] == "text" and "Paris" in t["answer"]
     assert "Paris" in (resp.choices[0].message.content or "") and "The answer is: X" not in resp.choices[0].message.content
@@ -93,7 +100,7 @@ def test_eot_default_answers_a_general_question_in_plain_text(sdk: openai.OpenAI
 
 
 def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
-    chunks = list(ask(sdk, "moa-default", {"trace": True}, temperature=0, max_tokens=32, stream=True))
+    chunks = list(ask(sdk, SMOL, {**MOA, "trace": True}, temperature=0, max_tokens=32, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 2  # token by token
@@ -104,7 +111,7 @@ def test_mixture_of_agents_streams_the_aggregator(sdk: openai.OpenAI) -> None:
 def test_mixture_of_agents_quorum_and_judge_per_request(sdk: openai.OpenAI) -> None:
     """A quorum of one (the other proposer is cancelled), the judge-skip test (one proposal: no skip), and
     Gemma as the judge for this request only."""
-    r = ask(sdk, "moa-default", {"trace": True, "quorum": 1, "skip_judge": True, "aggregator": GEMMA},
+    r = ask(sdk, SMOL, {**MOA, "trace": True, "quorum": 1, "skip_judge": True, "aggregator": GEMMA},
             temperature=0, max_tokens=24)
     t = r.model_extra["ensemble"]
     layer = t["quorum"]["layers"][0]

@@ -60,3 +60,21 @@ def test_fast_chat_encoding_equals_transformers(default_config: ChorusConfig, mo
         want_text = tok.render_chat_hf(msgs)
         assert tok.render_chat(chat) == want_text
         assert tok.encode_chat(chat) == list(tok.hf.encode(want_text, add_special_tokens=tok.uses_fallback_template))
+
+
+def test_a_base_model_chats_after_the_few_shot_preamble_unless_plain(default_config: ChorusConfig) -> None:
+    """Gemma-3-270M has no chat template: by default its chat prompt is the few-shot preamble then the transcript
+    (it answered 4 of the 5 newcomer questions so, none with the bare transcript); ``fallback_chat: plain`` keeps
+    the bare one."""
+    from transformers import AutoTokenizer
+
+    from chorus.engines.core.hf_tokenizer import FEW_SHOT_PREAMBLE, HFTokenizer
+    from chorus.engines.core.spec import ModelSpec
+
+    hf = AutoTokenizer.from_pretrained(default_config.model("gemma-3-270m").checkpoint_dir())
+    chat = [{"role": "user", "content": "Name a river."}]
+    few, plain = HFTokenizer(hf).render_chat(chat), HFTokenizer(hf, fallback="plain").render_chat(chat)
+    assert few == FEW_SHOT_PREAMBLE + plain and plain == "User: Name a river.\nAssistant:"
+    assert default_config.model("gemma-3-270m").fallback_chat == "few_shot"
+    with pytest.raises(ValueError, match="fallback_chat"):
+        ModelSpec.model_validate({"name": "x", "engine": "fake", "fallback_chat": "zero_shot"})

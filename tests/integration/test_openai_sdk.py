@@ -26,7 +26,8 @@ def test_models_list(sdk: openai.OpenAI) -> None:
         GEMMA,
         "all-minilm-l6-v2",
     }
-    assert {"average-default", "unite-default", "vote-default", "eot-default", "moa-default"} <= set(models)
+    assert {"average-default", "unite-default", "vote-default", "sc-default", "cascade-default"} <= set(models)
+    assert not {"eot-default", "moa-default"} & set(models)  # deploy/configs/discussion.yaml: not a default
 
 
 @pytest.mark.parametrize("model", [SMOL, GEMMA])

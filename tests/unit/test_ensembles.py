@@ -22,6 +22,11 @@ def converts(prompt: str) -> str:
     return "I checked the others. The answer is 42." if "Solutions from other agents" in prompt else "The answer is 7."
 
 
+def forgets(prompt: str) -> str:
+    """An agent that answers 8 alone and loses its answer once it has seen others (a small model's placeholder)."""
+    return '"The answer is X"' if "Solutions from other agents" in prompt else "The answer is 8."
+
+
 def never_agrees(prompt: str) -> str:
     return "The answer is 9." if "Solutions from other agents" in prompt else "The answer is 8."
 
@@ -40,7 +45,7 @@ class Longest(Strategy):
 CONFIG = {
     "server": {"limits": {"max_n": 8}},
     "models": [{"name": n, "engine": "fake"}
-               for n in ("fake", "a42", "b42", "c7", "stub", "agg", "broken", "odd", "textonly")],
+               for n in ("fake", "a42", "b42", "c7", "stub", "agg", "broken", "odd", "textonly", "forgets")],
     "strategies": {"longest": "tests.unit.test_ensembles:Longest"},
     "ensembles": [
         {"name": "vote-test", "strategy": "crowd_vote", "members": ["a42", "b42", "c7"], "metric": "word_rouge_l"},
@@ -66,6 +71,7 @@ def fakes() -> dict[str, FakeEngine]:
         "b42": FakeEngine("b42", script="The answer is 42.", max_model_len=4000),
         "c7": FakeEngine("c7", reply=converts, max_model_len=4000),
         "stub": FakeEngine("stub", reply=never_agrees, max_model_len=4000),
+        "forgets": FakeEngine("forgets", reply=forgets, max_model_len=4000),
         "agg": FakeEngine("agg", script="Combined: 42.", max_model_len=4000, delay=0.001),
         "broken": FakeEngine("broken", script="abcdefghijklmnop", fail_after=0, max_model_len=4000),
         "odd": odd,
@@ -230,6 +236,37 @@ def test_eot_custom_visibility_and_bad_matrix(client: openai.OpenAI) -> None:
         chat(client, {"strategy": "exchange_of_thought", "members": ["a42", "c7"], "visibility": [[0, 1]]})
 
 
+def test_an_agent_that_loses_its_answer_keeps_the_one_it_gave(client: openai.OpenAI) -> None:
+    resp = chat(client, {"strategy": "exchange_of_thought", "members": ["forgets", "c7"], "max_rounds": 2,
+                         "trace": True}, temperature=0)
+    t = trace_of(resp)
+    assert [a["answer"] for a in t["rounds"][2]["agents"]] == ["", "42"]
+    assert t["answer"] == "8" and t["winner"]["member"] == "forgets"  # 8 (round 0) and 42 tie: the earliest agent
+    assert resp.choices[0].message.content == "The answer is 8."  # its words from the round it gave the answer
+
+
+def test_a_spent_token_budget_ends_the_exchange_with_the_last_rounds_majority(client: openai.OpenAI) -> None:
+    resp = chat(client, {"strategy": "exchange_of_thought", "members": ["a42", "stub", "stub"], "max_rounds": 5,
+                         "max_total_tokens": 1, "trace": True}, temperature=0)
+    t = trace_of(resp)
+    assert len(t["rounds"]) == 1 and t["reason"] == "token budget of 1 reached before round 1: majority of the last round"
+    assert t["budget"]["stopped"] == "token budget of 1 reached before round 1"
+    assert t["budget"]["deadline_s"] == 30 and t["budget"]["elapsed_s"] < 30  # the defaults of every ensemble
+
+
+def test_a_member_calls_length_is_call_max_tokens_unless_the_request_gives_max_tokens(client: openai.OpenAI) -> None:
+    body = {"strategy": "exchange_of_thought", "members": ["a42", "b42"], "call_max_tokens": 5, "max_rounds": 0,
+            "trace": True}
+    used = trace_of(chat(client, body, temperature=0))["usage_by_member"]
+    assert used["a42"]["completion_tokens"] == used["b42"]["completion_tokens"] == 5
+    used = trace_of(chat(client, body, temperature=0, max_tokens=8))["usage_by_member"]
+    assert used["a42"]["completion_tokens"] == 8  # the request's max_tokens: the answer's length
+    for bad, param in (({"deadline_s": 0}, "deadline_s"), ({"max_total_tokens": 0}, "max_total_tokens"),
+                       ({"call_max_tokens": "x"}, "call_max_tokens")):
+        with pytest.raises(openai.BadRequestError, match=param):
+            chat(client, {**body, **bad})
+
+
 # ---- mixture_of_agents ----
 
 def test_moa_streams_the_aggregator(client: openai.OpenAI, fakes: dict[str, FakeEngine]) -> None:
@@ -240,6 +277,14 @@ def test_moa_streams_the_aggregator(client: openai.OpenAI, fakes: dict[str, Fake
     t = chunks[-1].model_extra["ensemble"]
     assert len(t["layers"]) == 2 and t["winner"]["member"] == "aggregator:agg"
     assert set(t["usage_by_member"]) == {"a42", "c7", "aggregator:agg"}
+
+
+def test_moa_past_its_deadline_answers_with_a_proposal_instead_of_the_judge(client: openai.OpenAI) -> None:
+    resp = chat(client, {"trace": True, "deadline_s": 0.001}, model="moa-test", temperature=0)
+    t = trace_of(resp)
+    assert t["judge"]["skipped"] and t["reason"] == "deadline of 0.001 s reached before the judge: the first proposal"
+    assert resp.choices[0].message.content == "Six times seven. The answer is 42."
+    assert "aggregator:agg" not in t["usage_by_member"]
 
 
 def test_moa_aggregator_sees_the_proposals() -> None:

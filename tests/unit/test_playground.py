@@ -17,6 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer, gateway, require
 
@@ -322,3 +323,32 @@ def test_the_page_is_static_files_with_a_strict_policy(server: LiveServer) -> No
     cfg["server"] = {"playground": False}
     with gateway(cfg, engines()) as off:
         assert httpx.get(off.url + "/playground/").status_code == 404
+
+
+def test_the_first_view_opens_on_the_ids_that_answer_well(browser: Any) -> None:
+    """On a server with the default line-up's names, the first load checks SmolLM2, sc-default and the cascade
+    (the newcomer set's best ids) and offers a question, so one click runs it; descriptions are tooltips."""
+    from playwright.sync_api import expect
+
+    cfg = {"models": [{"name": n, "engine": "fake", "description": f"{n} model"}
+                      for n in ("smollm2-135m-instruct", "gemma-3-270m")],
+           "ensembles": [{"name": "sc-default", "strategy": "answer_vote", "members": ["smollm2-135m-instruct"],
+                          "description": "self-consistency"},
+                         {"name": "cascade-default", "strategy": "cascade",
+                          "members": ["smollm2-135m-instruct", "gemma-3-270m"], "threshold": -0.6},
+                         {"name": "vote-default", "strategy": "crowd_vote",
+                          "members": ["smollm2-135m-instruct", "gemma-3-270m"]}]}
+    with gateway(ChorusConfig.model_validate(cfg), {n: FakeEngine(n) for n in ("smollm2-135m-instruct",
+                                                                                 "gemma-3-270m")}) as srv:
+        page = Page(browser, srv.url)
+        try:
+            boxes = page.page.locator("#model-list input")
+            expect(boxes).to_have_count(5)
+            checked = sorted(boxes.evaluate_all("els => els.filter(e => e.checked).map(e => e.value)"))
+            assert checked == ["cascade-default", "sc-default", "smollm2-135m-instruct"]
+            assert page.page.input_value("#prompt").startswith("What is the capital of France?")
+            label = page.page.locator("#model-list label", has_text="gemma-3-270m")
+            assert label.get_attribute("title") == "gemma-3-270m model"
+            assert not page.problems
+        finally:
+            page.close()

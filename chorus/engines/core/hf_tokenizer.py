@@ -18,6 +18,18 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 FALLBACK_STOP = ("\nUser:",)
+#: The same transcript after five short worked exchanges (``fallback_chat: few_shot``, the default): a base model
+#: that continues a bare transcript by repeating the question (Gemma-3-270M did, on every question of the newcomer
+#: set) answers after these (4 of 5; docs/configuration.md). About 110 tokens, a prefix every request shares.
+FEW_SHOT_PREAMBLE = (
+    "A conversation between a user and a helpful assistant. The assistant answers briefly and correctly.\n\n"
+    "User: What is the capital of Italy? Answer in one word.\nAssistant: Rome\n"
+    "User: What is 3 + 4?\nAssistant: 3 + 4 = 7.\n"
+    "User: Is ice cold? Answer yes or no.\nAssistant: Yes.\n"
+    "User: Write one sentence about the moon.\nAssistant: The moon lights up the night sky.\n"
+    'User: Reply with a JSON object with a key "animal".\nAssistant: {"animal": "cat"}\n\n'
+)
+FEW_SHOT_CHAT_TEMPLATE = FEW_SHOT_PREAMBLE + FALLBACK_CHAT_TEMPLATE
 
 
 def message_text(content: Any) -> str:
@@ -35,9 +47,11 @@ def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
 
 
 class HFTokenizer:
-    def __init__(self, tok: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tok: Any, extra_eos_ids: Sequence[int] = (), fallback: str = "few_shot") -> None:
         self.hf = tok
         self.uses_fallback_template = not getattr(tok, "chat_template", None)
+        #: a model without a chat template of its own chats through this one (``fallback_chat`` in its entry)
+        self.fallback_template = FEW_SHOT_CHAT_TEMPLATE if fallback == "few_shot" else FALLBACK_CHAT_TEMPLATE
         template = getattr(tok, "chat_template", None)
         #: the model's own template renders tools, tool calls and tool results (Qwen2.5's does)
         self.supports_tools = isinstance(template, str) and "tool_calls" in template and "tools" in template
@@ -64,7 +78,7 @@ class HFTokenizer:
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:  # pragma: no cover - transformers reorganised
             return None
-        template = FALLBACK_CHAT_TEMPLATE if self.uses_fallback_template else self.hf.chat_template
+        template = self.fallback_template if self.uses_fallback_template else self.hf.chat_template
         if not isinstance(template, str):
             return None  # several named templates: let transformers pick
         compiled = _compile_jinja_template(template)
@@ -121,7 +135,7 @@ class HFTokenizer:
 
     def render_chat_hf(self, msgs: list[dict[str, Any]]) -> str:
         """transformers' own rendering (the reference the fast path is tested against)."""
-        template = FALLBACK_CHAT_TEMPLATE if self.uses_fallback_template else None
+        template = self.fallback_template if self.uses_fallback_template else None
         return self.hf.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:

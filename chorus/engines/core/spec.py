@@ -82,6 +82,9 @@ class ModelSpec(BaseModel):
     prefill_chunk: int = Field(default=512, ge=8)
     #: a Jinja chat template that replaces the tokenizer's own
     chat_template: str | None = None
+    #: how a model without a chat template (a base model) chats: a User/Assistant transcript after five short
+    #: worked exchanges (``few_shot``), or the bare transcript (``plain``); generation stops at the next "User:"
+    fallback_chat: Literal["few_shot", "plain"] = "few_shot"
     #: sampling parameters for requests that leave them out (OpenAI's defaults otherwise)
     sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     description: str = ""

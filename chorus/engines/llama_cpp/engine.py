@@ -109,7 +109,7 @@ def tokenizer_for(spec: ModelSpec, gguf: Path) -> HFTokenizer:
         hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if spec.chat_template:
         hf.chat_template = spec.chat_template
-    return HFTokenizer(hf)
+    return HFTokenizer(hf, fallback=spec.fallback_chat)
 
 
 class LlamaCppEngine(SessionEngine):

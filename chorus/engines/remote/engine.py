@@ -201,7 +201,7 @@ class RemoteEngine:
         path = models[ref].checkpoint_dir() if models and ref in models else Path(ref).expanduser()
         if not Path(path).is_dir():
             raise EngineUnavailable(f"{spec.name}: tokenizer {ref!r} is neither a directory nor a prepared model")
-        return cls(spec, HFTokenizer(AutoTokenizer.from_pretrained(str(path))))
+        return cls(spec, HFTokenizer(AutoTokenizer.from_pretrained(str(path)), fallback=spec.fallback_chat))
 
     # ---- lifecycle ----
 

@@ -142,7 +142,7 @@ class TransformersEngine(SessionEngine):
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
         extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         log.info("loaded %s from %s in %.1fs", spec.name, path, time.perf_counter() - t0)
-        return cls(spec, model, HFTokenizer(hf_tok, extra_eos_ids=extra))
+        return cls(spec, model, HFTokenizer(hf_tok, extra_eos_ids=extra, fallback=spec.fallback_chat))
 
     async def start(self) -> None:
         self.runner.start()

@@ -3,6 +3,7 @@
 import { el, renderChoices, renderTrace } from "./traces.js";
 
 const MAX_COLUMNS = 4;
+const FIRST_VIEW = ["smollm2-135m-instruct", "sc-default", "cascade-default"];  // checked on first load
 const $ = (id) => document.getElementById(id);
 const keyInput = $("api-key");
 let cards = [];        // /v1/models data
@@ -57,9 +58,11 @@ async function loadModels() {
     return;
   }
   const body = await resp.json();
-  const checked = new Set(selected());
+  const first = cards.length === 0;
+  // the first view opens on ids that answer the newcomer questions well (docs/quickstart.md), where served
+  const checked = new Set(first ? FIRST_VIEW : selected());
   cards = body.data.filter((c) => c.kind === "language_model" || c.kind === "ensemble" || c.kind === "scorer");
-  list.replaceChildren(...cards.map((c) => el("label", { title: c.ensemble ? c.ensemble.description || "" : "" },
+  list.replaceChildren(...cards.map((c) => el("label", { title: (c.ensemble ? c.ensemble.description : c.description) || "" },
     el("input", { type: "checkbox", value: c.id, checked: checked.has(c.id), "data-kind": c.kind }),
     ` ${c.id}`, el("span", { class: "kind", text: c.kind === "ensemble" ? c.ensemble.strategy : c.kind }))));
   list.querySelectorAll("input").forEach((box) => box.addEventListener("change", limitChecks));
