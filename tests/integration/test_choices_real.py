@@ -77,6 +77,23 @@ async def test_the_shared_prefix_equals_a_whole_forward_per_choice(smol_engine: 
     assert smol_engine.active_sessions == 0
 
 
+async def test_a_repeated_prefix_is_read_from_the_prefix_cache(smol_engine: TransformersEngine) -> None:
+    """The second question with the same context (a few-shot preamble, a passage) reads it from the prefix cache:
+    only the rest and the choices are computed, and the scores equal the cold ones."""
+    await smol_engine.drop_prefix_cache()
+    context = "The following are questions about the physical world. " * 4 + ENDINGS["context"] + " "
+    split = split_text(smol_engine.tokenizer, context, ENDINGS["choices"])
+    store = smol_engine.runner.prefix
+    hits = store.hits
+    cold = await smol_engine.score_continuations(split.prefix, split.choices)
+    assert store.hits == hits and store.held_tokens == len(split.prefix)
+    warm = await smol_engine.score_continuations(split.prefix, split.choices)
+    assert store.hits == hits + 1 and store.hit_tokens >= len(split.prefix) - 1
+    for w, c in zip(warm, cold):
+        assert w == pytest.approx(c, abs=1e-4)
+    await smol_engine.drop_prefix_cache()
+
+
 def test_lm_eval_through_chorus_gives_the_same_loglikelihoods(real_server: LiveServer, default_config: ChorusConfig,
                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev and eval extras")

@@ -278,8 +278,16 @@ class BatchRunner:
         return await self._on_thread(self.passes.score, ids, k)
 
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
-        """Multiple-choice scoring in one forward (`ForwardPasses.score_continuations`)."""
-        return await self._on_thread(self.passes.score_continuations, prefix, continuations)
+        """Multiple-choice scoring in one forward (`ForwardPasses.score_continuations`), the prefix read from the
+        prefix cache as far as it holds it, and kept there for the next question with the same prefix."""
+        salt = CACHE_SALT.get()
+        entry, cached = self.prefix.lookup(prefix, salt)
+        keep = self.prefix.wants(prefix, salt)
+        scores, kept = await self._on_thread(self.passes.score_continuations, prefix, continuations,
+                                             (entry.layers, cached) if entry is not None else None, keep)
+        if kept is not None:
+            self.prefix.store(prefix, salt, kept)
+        return scores
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
         if self._executor is None:  # never started, or stopped: scoring must not bring the runner back

@@ -14,7 +14,7 @@ from chorus.engines.runtime.observer import FamilyObserver
 from chorus.engines.transformers.attention_masks import AttentionMasks
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob
 from chorus.engines.transformers.prefill_plan import split_plan
-from chorus.engines.transformers.prefix_store import copy_layers
+from chorus.engines.transformers.prefix_store import Layers, copy_layers
 
 
 class ForwardPasses:
@@ -122,40 +122,56 @@ class ForwardPasses:
             top_v, top_i = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
             return chosen.cpu(), top_v.cpu(), top_i.cpu()
 
-    def score_continuations(self, prefix: list[int], conts: list[list[int]]) -> list[list[float]]:
+    def score_continuations(self, prefix: list[int], conts: list[list[int]], seed: tuple[Layers, int] | None = None,
+                            keep: bool = False) -> tuple[list[list[float]], Layers | None]:
         """The prefix and every continuation packed into one sequence, each continuation attending to the prefix
         and to itself only (a tree mask; its positions restart after the prefix), logits only where a choice
-        token is predicted: the prefix is read once, with no padding and no cache to copy."""
+        token is predicted: the prefix is read once, with no padding. ``seed``: a prefix cache hit (the entry's
+        layers and how many of the prefix's tokens they hold): those columns are the cache the forward extends,
+        and only the rest of the prefix is computed. ``keep``: also return a copy of the prefix's keys and values
+        (for the prefix cache); else no cache is kept."""
+        c = seed[1] if seed is not None else 0
         n = len(prefix)
-        ids, pos, seg = list(prefix), list(range(n)), [-1] * n  # segment -1: the prefix, seen by every choice
-        keep = [n - 1]  # sequence positions whose logits are needed: the prefix's last predicts every first token
-        rows: list[list[int]] = []  # per choice: for each of its tokens, the row of `keep` that predicts it
-        for i, c in enumerate(conts):
+        ids, pos, seg = list(prefix[c:]), list(range(c, n)), [-1] * (n - c)  # segment -1: seen by every choice
+        keep_rows = [n - c - 1]  # positions whose logits are needed: the prefix's last predicts every first token
+        rows: list[list[int]] = []  # per choice: for each of its tokens, the row of `keep_rows` that predicts it
+        for i, cont in enumerate(conts):
             rows.append([0])
-            for j, token in enumerate(c[:-1]):
+            for j, token in enumerate(cont[:-1]):
                 ids.append(token)
                 pos.append(n + j)
                 seg.append(i)
-                keep.append(len(ids) - 1)
-                rows[-1].append(len(keep) - 1)
+                keep_rows.append(len(ids) - 1)
+                rows[-1].append(len(keep_rows) - 1)
         with torch.inference_mode():
             x = torch.tensor([ids], device=self.device)
             p = torch.tensor([pos], device=self.device)
             s = torch.tensor(seg, device=self.device)
             visible = (s[None, :] == -1) | (s[None, :] == s[:, None])  # (L, L): query row sees key column
-            mask = self.masks.build(p, p, allowed=visible[None])
-            logits = self.model(input_ids=x, position_ids=p, attention_mask=mask, use_cache=False,
-                                logits_to_keep=torch.tensor(keep, device=self.device)).logits[0].float()  # (K, V)
+            cache = None
+            if seed is not None:
+                cache = cache_from([(k[:, :, :c], v[:, :, :c]) for k, v in seed[0]])
+                visible = torch.cat([visible.new_ones(len(ids), c), visible], 1)  # the cached prefix: seen by all
+                kv_pos = torch.cat([torch.arange(c, device=self.device)[None], p], 1)
+            elif keep:
+                cache, kv_pos = GrowingCache(), p
+            else:
+                kv_pos = p
+            mask = self.masks.build(p, kv_pos, allowed=visible[None])
+            cache_kw = {self._cache_kw: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+            logits = self.model(input_ids=x, position_ids=p, attention_mask=mask, **cache_kw,
+                                logits_to_keep=torch.tensor(keep_rows, device=self.device)).logits[0].float()  # (K, V)
             lp = torch.log_softmax(logits, dim=-1)
             del logits
             flat_rows = torch.tensor([r for per in rows for r in per], device=self.device)
-            flat_tokens = torch.tensor([t for c in conts for t in c], device=self.device)
+            flat_tokens = torch.tensor([t for cont in conts for t in cont], device=self.device)
             chosen = lp[flat_rows, flat_tokens].cpu().tolist()
+            kept = copy_layers([(l.keys, l.values) for l in cache.growing], n) if keep and cache is not None else None
         out, at = [], 0
-        for c in conts:
-            out.append(chosen[at : at + len(c)])
-            at += len(c)
-        return out
+        for cont in conts:
+            out.append(chosen[at : at + len(cont)])
+            at += len(cont)
+        return out, kept
 
 
 def keep(job: PrefillJob) -> None:
