@@ -90,8 +90,11 @@ class Outcome:
 
 def ask(client: httpx.Client, model: str, q: Question, max_tokens: int) -> tuple[str, float]:
     t0 = time.monotonic()
-    r = client.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": q.text}],
-                                                  "temperature": 0, "max_tokens": max_tokens, **q.extra})
+    try:
+        r = client.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": q.text}],
+                                                      "temperature": 0, "max_tokens": max_tokens, **q.extra})
+    except httpx.HTTPError as exc:  # a timeout or a dropped connection is this question's failure, not the run's
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
     seconds = time.monotonic() - t0
     if r.status_code != 200:
         return f"HTTP {r.status_code}: {r.text[:200]}", seconds

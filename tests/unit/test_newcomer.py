@@ -38,7 +38,8 @@ def test_the_rules_accept_any_wording_around_a_sensible_answer(name: str, text: 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    engines = {"good": FakeEngine("good", reply=good), "echo": FakeEngine("echo", reply=echo)}
+    engines = {"good": FakeEngine("good", reply=good), "echo": FakeEngine("echo", reply=echo),
+               "slow": FakeEngine("slow", reply=good, delay=0.05)}
     with serve_fakes(engines, [{"name": "both", "strategy": "crowd_vote", "members": ["good", "good"]}]) as srv:
         yield srv
 
@@ -50,5 +51,14 @@ def test_every_chat_id_is_asked_and_a_failing_one_fails_the_run(server: LiveServ
     assert out.count(" 5/5 ") == 2 and "newcomer: 2 ids answered" in out
     assert newcomer.main(["--url", server.url]) == 1  # every chat id: echo repeats the questions
     captured = capsys.readouterr()
-    assert "echo" in captured.err and "good" not in captured.err
+    assert "echo" in captured.err and "good" not in captured.err  # slow answers well, in about a second
     assert "echo                         0/5" in captured.out
+
+
+def test_a_question_that_times_out_fails_that_id_and_the_run_goes_on(server: LiveServer,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=0.05) as client:  # slow takes 0.05 s a token
+        outcome = newcomer.check_model(client, "slow")
+    assert outcome.passed == [] and all("Timeout" in text for text in outcome.failed.values())
