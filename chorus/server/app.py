@@ -24,6 +24,7 @@ from chorus.server.fastpath import FastPath
 from chorus.server.gateway import Admission, Gateway
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.limits import BodyLimit
+from chorus.server.messages import router as messages_router
 from chorus.server.metrics import watch_engines
 from chorus.server.playground_route import router as playground_router
 from chorus.server.responses import ResponseStore
@@ -95,6 +96,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.include_router(sessions_router_v2)
     app.include_router(choices_router)
     app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(embeddings_router)
     app.include_router(admin_router)
     app.include_router(playground_router)

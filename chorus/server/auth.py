@@ -97,7 +97,7 @@ class KeyStore:
     def authenticate(self, authorization: str | None) -> Principal:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
+            raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
         presented = hash_key(token.strip())
         found = None
         for p in self.principals:  # every hash compared, in constant time: no early exit to time

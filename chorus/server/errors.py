@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -78,8 +79,23 @@ def error_response(exc: BaseException) -> JSONResponse:
     return envelope(500, "The server had an error while processing your request.", "server_error")
 
 
-async def _handle(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+def for_path(path: str, response: JSONResponse) -> JSONResponse:
+    """Anthropic's envelope on the Messages API (``{"type": "error", "error": {"type", "message"}}``, the field
+    named in the message), OpenAI's everywhere else."""
+    if not path.startswith("/v1/messages"):
+        return response
+    from chorus.server.messages_shapes import error_type
+
+    err = json.loads(bytes(response.body))["error"]
+    message = err["message"] if not err.get("param") or err["param"] in err["message"] else \
+        f"{err['param']}: {err['message']}"
+    headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse({"type": "error", "error": {"type": error_type(response.status_code), "message": message}},
+                        status_code=response.status_code, headers=headers or None)
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    return for_path(request.url.path, error_response(exc))
 
 
 def install(app: FastAPI) -> None:

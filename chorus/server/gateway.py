@@ -24,7 +24,7 @@ from chorus.config import Limits
 from chorus.engines.core.base import REQUEST_SCOPE
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
 from chorus.server.auth import KeyStore, Principal
-from chorus.server.errors import error_response
+from chorus.server.errors import error_response, for_path
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 from chorus.server.resolve import Served
@@ -80,7 +80,7 @@ class Gateway:
                     admitted = True
                 except GatewayError as exc:
                     REFUSED.labels(exc.code or exc.type).inc()
-                    await error_response(exc)(scope, receive, send_with_id)
+                    await for_path(path, error_response(exc))(scope, receive, send_with_id)
                     return
             await self.app(scope, receive, send_with_id)
         finally:
@@ -106,7 +106,9 @@ class Gateway:
     async def admit(self, headers: dict[str, str], state: dict[str, Any]) -> Principal | None:
         if self.admission.draining:
             raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
-        principal = self.keys.authenticate(headers.get("authorization")) if self.keys.enabled else None
+        # Anthropic's clients send the key as x-api-key
+        given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else None)
+        principal = self.keys.authenticate(given) if self.keys.enabled else None
         if self.admission.inflight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)

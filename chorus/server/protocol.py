@@ -320,7 +320,8 @@ def chat_response(head: ResponseHead, gen: Generation, offered: Tools | None = N
     """``offered``: the functions the model could call; a choice that calls them gets ``tool_calls``."""
     def choice(c: Choice) -> dict[str, Any]:
         message, finish = tool_fields.message(c.text, c.finish_reason, offered)
-        return {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish}
+        out = {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish}
+        return {**out, "stop_reason": c.stop} if c.stop is not None and finish == "stop" else out
 
     return {**head.base("chat.completion"), "choices": [choice(c) for c in gen.choices],
             "usage": usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)}
@@ -336,6 +337,8 @@ def chat_chunk(head: ResponseHead, delta: Delta | None, *, index: int = 0,
         ch = {"index": delta.index, "delta": body,
               "logprobs": chat_logprobs(delta.logprobs) if logprobs else None,
               "finish_reason": delta.finish_reason}
+        if delta.stop is not None:
+            ch["stop_reason"] = delta.stop  # vLLM's field: the stop string that ended the choice
     return {**head.base("chat.completion.chunk"), "choices": [ch]}
 
 
@@ -350,8 +353,11 @@ def chat_tool_chunks(head: ResponseHead, deltas: list[Delta], offered: Tools, lo
     if "tool_calls" in message:
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
     base = head.base("chat.completion.chunk")
+    last: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+    if deltas[-1].stop is not None and finish == "stop":
+        last["stop_reason"] = deltas[-1].stop
     return [{**base, "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": None}]},
-            {**base, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]}]
+            {**base, "choices": [last]}]
 
 
 def completion_response(head: ResponseHead, choices: list[dict[str, Any]], prompt_tokens: int,

@@ -28,6 +28,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     ("post", "/v1/completions"): {"prompt": "hi", "max_tokens": 2},
     ("post", "/v1/responses"): {"input": "hi", "max_output_tokens": 16},
+    ("post", "/v1/messages"): {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ("post", "/v1/messages/count_tokens"): {"messages": [{"role": "user", "content": "hi"}]},
     ("post", "/v1/choices"): {"prompt": "Pick one:", "choices": ["a", "b"]},
     ("post", "/v1/embeddings"): {"input": "hi"},
     ("post", "/chorus/v1/sessions"): {"prompt": [1, 2]},

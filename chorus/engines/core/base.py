@@ -164,6 +164,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop: str | None = None  #: with finish_reason "stop": the stop string that ended it (None: EOS)
 
 
 @dataclass
@@ -173,6 +174,7 @@ class Choice:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    stop: str | None = None  #: the stop string that ended it (None: EOS, the limit, or a strategy's choice)
 
 
 @dataclass

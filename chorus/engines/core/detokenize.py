@@ -23,6 +23,7 @@ class TextAssembler:
         self._text = ""  # everything decoded so far
         self._emitted = 0  # characters of _text already returned
         self.stopped = False
+        self.stopped_by: str | None = None  #: the stop string that ended the text (vLLM's ``stop_reason``)
 
     @property
     def text(self) -> str:
@@ -54,6 +55,7 @@ class TextAssembler:
             hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
                 cut = min(hits)
+                self.stopped_by = next(s for s in self._stop if self._text.find(s, search_from) == cut)
                 out = self._text[self._emitted : cut]
                 self._text = self._text[:cut]
                 self._emitted = cut

@@ -268,7 +268,7 @@ async def collect(deltas: AsyncGenerator[Delta, None], logprobs: bool) -> list[C
         ds = parts[index]
         lps = [lp for d in ds for lp in d.logprobs] if logprobs else None
         choices.append(Choice(index, "".join(d.text for d in ds), [t for d in ds for t in d.token_ids],
-                              ds[-1].finish_reason or "stop", lps))
+                              ds[-1].finish_reason or "stop", lps, ds[-1].stop))
     return choices
 
 
@@ -303,7 +303,8 @@ async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokeniz
                 return
             text = assembler.push(pick.token)
             if assembler.stopped:  # a stop string: nothing may follow
-                yield Delta(index, text + assembler.flush(), [pick.token], pick.logprobs, "stop")
+                yield Delta(index, text + assembler.flush(), [pick.token], pick.logprobs, "stop",
+                            assembler.stopped_by)
                 return
             if pick.final:
                 yield Delta(index, text + assembler.flush(), [pick.token], pick.logprobs, pick.final)
