@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.engines.core.base import Delta
+from chorus.ensembles import spans
 from chorus.ensembles.answer_types import AnswerCanon, detect_kind
 from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
@@ -157,7 +158,8 @@ class AnswerVote(Strategy):
         t = Tally()
         while alive:
             left = {m.label: p.samples - len(d.samples.get(m.label, [])) for m in alive}
-            got = await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive))
+            with spans.step("vote.batch", chorus__drawn=len(d.all())):
+                got = await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive))
             alive = [m for m, new in zip(alive, got) if new and len(d.samples[m.label]) < p.samples]
             t = tally(d.all(), self.weights)
             remaining = sum(self.weights[m.label] * (p.samples - len(d.samples[m.label])) for m in alive)

@@ -9,8 +9,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from opentelemetry.trace import StatusCode
+
 from chorus.engines.core.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
 from chorus.engines.core.generation import encode_prompt
+from chorus.ensembles import spans
 from chorus.ensembles.metrics import MEMBER_CALLS
 from chorus.ensembles.spec import MemberSpec
 from chorus.errors import GatewayError, InvalidRequest, MemberFailed
@@ -173,13 +176,21 @@ class Call:
         """One member call. A failure raises `MemberFailed` (``fail``) or is noted in the trace (``skip``: None)."""
         req = self.request(member, messages, persona=persona, **overrides)
         self.requests.append((member, req))
+        span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
+                                 req.params.temperature)
         try:
             gen = await member.engine.generate(req)
-        except InvalidRequest:
+            spans.usage(span, gen.prompt_tokens, gen.completion_tokens)
+        except InvalidRequest as exc:
+            span.record_exception(exc)
             raise
         except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(StatusCode.ERROR, message(exc))
             self.member_failed(member, exc)
             return None
+        finally:
+            span.end()
         MEMBER_CALLS.labels(self.ensemble, member.label, "ok").inc()
         self.record(member, gen.prompt_tokens, gen.completion_tokens)
         return gen
@@ -190,6 +201,8 @@ class Call:
         req = self.request(member, messages, persona=persona, **overrides)
         self.requests.append((member, req))
         completion = 0
+        span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
+                                 req.params.temperature)
         stream = member.engine.stream(req)
         try:
             async for d in stream:
@@ -199,11 +212,14 @@ class Call:
             raise
         except Exception as exc:
             MEMBER_CALLS.labels(self.ensemble, member.label, "failed").inc()
+            span.set_status(StatusCode.ERROR, message(exc))
             raise MemberFailed(f"ensemble member {member.label!r} ({member.spec.model}) failed: {message(exc)}",
                                param="ensemble.members") from exc
         finally:
             await stream.aclose()
             self.record(member, len(req.prompt_ids), completion)
+            spans.usage(span, len(req.prompt_ids), completion)
+            span.end()
 
     def member_failed(self, member: Member, exc: BaseException) -> None:
         MEMBER_CALLS.labels(self.ensemble, member.label, "failed").inc()

@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import Choice, Delta
+from chorus.ensembles import spans
 from chorus.ensembles.answer_vote import Drawer, DrawParams
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
@@ -113,12 +114,13 @@ class Cascade(Strategy):
         for i, m in enumerate(self.members):
             if best is not None and call.over_budget(f"asking {m.label}"):
                 break  # the most confident answer so far
-            if p.confidence == "agreement":
-                drawn = await drawer.draw(m, p.samples)
-                found = agreed_choice(drawn)
-            else:
-                gen = await call.generate(m, logprobs=True, top_logprobs=0, n=1)
-                found = None if gen is None else self.confidence(gen.choices)
+            with spans.step("cascade.step", chorus__step=i, chorus__member=m.label):
+                if p.confidence == "agreement":
+                    drawn = await drawer.draw(m, p.samples)
+                    found = agreed_choice(drawn)
+                else:
+                    gen = await call.generate(m, logprobs=True, top_logprobs=0, n=1)
+                    found = None if gen is None else self.confidence(gen.choices)
             if found is None:  # skipped: escalate
                 steps.append({"member": m.label, "error": True, "decision": "failed: escalate"})
                 CASCADE_STEPS.labels(self.ensemble, m.label, "failed").inc()

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.engines.core.base import Delta
+from chorus.ensembles import spans
 from chorus.ensembles.answer_types import AnswerCanon, clean_reply, detect_kind
 from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
@@ -142,7 +143,8 @@ class ExchangeOfThought(Strategy):
                            "visibility": [[int(x) for x in row] for row in self.sees],
                            "answer_type": kind, "answer_rule": rule, "rounds": rounds})
         first = replace_question(base, f"{question}\n\n{self.instruction(kind)}")
-        gens = await gather(*(call.generate(m, first) for m in self.members))
+        with spans.step("eot.round", chorus__round=0):
+            gens = await gather(*(call.generate(m, first) for m in self.members))
         active: list[Member] = []
         text: dict[int, str] = {}
         finish: dict[int, str] = {}
@@ -178,7 +180,8 @@ class ExchangeOfThought(Strategy):
                         question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers], kind)))
                     agents.append({"member": m.label, "sees": [p.label for p in peers],
                                    "peer_confidence": {k: v for k, v in conf.items() if v is not None}})
-                replies = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
+                with spans.step("eot.round", chorus__round=r):
+                    replies = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
                 kept = []
                 for m, reply, a in zip(active, replies, agents):
                     if reply is None:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import Delta, Generation
+from chorus.ensembles import spans
 from chorus.ensembles.answer_types import AnswerCanon, detect_kind
 from chorus.ensembles.answers import extract_answer
 from chorus.ensembles.base import Strategy
@@ -156,7 +157,8 @@ class MixtureOfAgents(Strategy):
         for layer in range(self.params.layers):
             if layer and call.over_budget(f"layer {layer}"):
                 break
-            alive = await self.propose(call, layer, messages, answers)
+            with spans.step("moa.layer", chorus__layer=layer):
+                alive = await self.propose(call, layer, messages, answers)
             answers = [g.choices[0].text for _, g in alive]
             layers.append([{"member": m.label, "text": g.choices[0].text} for m, g in alive])
         judge: dict[str, Any] = {"model": self.aggregator.spec.model, "label": self.aggregator.label}

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
+from chorus.server import tracing
 from chorus.server.key_state import Charge, cost_of
 from chorus.server.metrics import TTFT, count_tokens
 from chorus.server.resolve import served_of
@@ -17,6 +18,7 @@ def settle(request: Request, model: str, usage: dict[str, Any]) -> None:
     """Charge the key (its token window, budget and spend: one charge per model used, an ensemble's member
     calls each to their own model) and count the tokens, once the usage is known."""
     prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    tracing.usage_attributes(usage)
     served = served_of(request)
     principal = getattr(request.state, "principal", None)
     if principal is not None:

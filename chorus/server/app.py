@@ -15,7 +15,7 @@ from chorus.config import ChorusConfig, Settings
 from chorus.engines.core.base import Engine
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
-from chorus.server import errors
+from chorus.server import errors, tracing
 from chorus.server.admin import router as admin_router
 from chorus.server.auth import KeyStore, hash_key
 from chorus.server.choices import router as choices_router
@@ -80,8 +80,10 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
             await app.state.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
+            tracing.flush()
 
-    otel: Any = None if config.server.opentelemetry else {"tracing": False, "metrics": False, "logs": False}
+    traced = tracing.configure()  # OTEL_TRACES_EXPORTER and friends (server/tracing.py); off unless they say so
+    otel: Any = None if config.server.opentelemetry or traced else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="chorus", version=__version__, lifespan=lifespan, telemetry=otel,
                   description="OpenAI-compatible gateway with ensemble and routing backends")
     app.state.config = config

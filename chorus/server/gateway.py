@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.config import Limits
 from chorus.engines.core.base import REQUEST_SCOPE
+from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
 from chorus.server.auth import KeyStore, Principal
 from chorus.server.errors import error_response, for_path
@@ -60,6 +61,7 @@ class Gateway:
         rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
         state: dict[str, Any] = scope.setdefault("state", {})
         state["request_id"] = rid
+        REQUEST_ID.set(rid)  # on every span of this request (ensembles/spans.py)
         t0 = state["started"] = time.perf_counter()
         status = {"code": 0}
 

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from chorus.engines.core.base import CACHE_SALT, EMBEDDINGS, TOOLS, ChoiceScorer, Engine, GenerationRequest
 from chorus.errors import InvalidRequest
-from chorus.server import ensemble_calls, protocol
+from chorus.server import ensemble_calls, protocol, tracing
 from chorus.server.replies import ReplyPlan, ReplyShape, chat_reply, completion_reply, nothing, nothing_streamed
 from chorus.server.resolve import engines, ensembles, lookup, model_for
 from chorus.server.streaming import until_disconnect
@@ -100,6 +100,7 @@ async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: Rep
     """A chat request, answered in OpenAI's shape or in another API's (``shape``: the Responses API's)."""
     apply_limits(request, req)
     CACHE_SALT.set(req.cache_salt)
+    tracing.request_attributes(req.model, req.completion_limit, req.temperature)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
         return await ensemble_calls.chat(request, req, ensemble, shape)

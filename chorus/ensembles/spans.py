@@ -1,0 +1,45 @@
+"""OpenTelemetry spans of an ensemble's fan-out: one per member call (GenAI semantic conventions) and one per step
+of a strategy (an Exchange-of-Thought round, a mixture-of-agents layer and judge, a vote's sample batch, a cascade
+step). Through OpenTelemetry's API only: without a configured SDK (server/tracing.py) every span is a no-op."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from opentelemetry import trace
+
+TRACER = trace.get_tracer("chorus.ensembles")
+#: the request's id (X-Request-ID, set by the gateway), on every span
+REQUEST_ID: ContextVar[str | None] = ContextVar("chorus_request_id", default=None)
+
+
+def attributes(**fields: Any) -> dict[str, Any]:
+    """The span attributes given (None left out), with the request id."""
+    out = {k.replace("__", "."): v for k, v in fields.items() if v is not None}
+    rid = REQUEST_ID.get()
+    if rid is not None:
+        out["chorus.request_id"] = rid
+    return out
+
+
+def member_call(ensemble: str, label: str, model: str, max_tokens: int | None, temperature: float | None) -> Any:
+    """A span for one member call (started, not current: the caller ends it)."""
+    return TRACER.start_span(f"chat {model}", kind=trace.SpanKind.CLIENT, attributes=attributes(
+        gen_ai__operation__name="chat", gen_ai__request__model=model, gen_ai__request__max_tokens=max_tokens,
+        gen_ai__request__temperature=temperature, chorus__ensemble=ensemble or None, chorus__member=label))
+
+
+def usage(span: Any, prompt_tokens: int, completion_tokens: int) -> None:
+    span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
+
+
+@contextmanager
+def step(name: str, **fields: Any) -> Iterator[Any]:
+    """A strategy's step as the current span (its member calls are its children). Never around a ``yield`` of an
+    async generator: a span must end in the context it started in."""
+    with TRACER.start_as_current_span(name, attributes=attributes(**fields)) as span:
+        yield span

@@ -1,0 +1,105 @@
+"""OpenTelemetry traces (server/tracing.py, ensembles/spans.py) with the SDK's in-memory exporter: the request's
+span with GenAI attributes under the client's traceparent, and an ensemble's fan-out below it (Exchange-of-Thought
+rounds, cascade steps, vote batches, one span per member call); the OTEL_* configuration's errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry import trace
+
+from chorus.config import ChorusConfig
+from chorus.engines.fake.engine import FakeEngine
+from chorus.errors import ConfigError
+from chorus.server import tracing
+from tests.helpers import LiveServer, gateway
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
+@pytest.fixture(scope="module")
+def spans() -> Any:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # the process's one global provider
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def server(spans: Any) -> Iterator[LiveServer]:
+    engines = {"a42": FakeEngine("a42", script="Six times seven. The answer is 42.", max_model_len=2048),
+               "c7": FakeEngine("c7", script="The answer is 7.", max_model_len=2048)}
+    config = {"server": {"opentelemetry": True},
+              "models": [{"name": n, "engine": "fake"} for n in engines],
+              "ensembles": [{"name": "eot", "strategy": "exchange_of_thought", "members": ["a42", "c7"],
+                             "max_rounds": 1},
+                            {"name": "cascade", "strategy": "cascade", "members": ["c7", "a42"], "threshold": 0.0},
+                            {"name": "vote", "strategy": "answer_vote", "members": ["a42", "c7"], "samples": 2,
+                             "batch": 1}]}
+    with gateway(ChorusConfig.model_validate(config), engines) as srv:
+        yield srv
+
+
+def traced(server: LiveServer, spans: Any, model: str) -> tuple[Any, list[Any], str]:
+    spans.clear()
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"traceparent": PARENT},
+                   json={"model": model, "messages": [{"role": "user", "content": "What is 6*7?"}], "max_tokens": 40,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    found = [s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == TRACE_ID]
+    root = next(s for s in found if s.attributes.get("gen_ai.request.model") == model and s.parent is not None
+                and s.parent.span_id == int("00f067aa0ba902b7", 16))
+    return root, found, r.headers["x-request-id"]
+
+
+def children(found: list[Any], parent: Any) -> list[Any]:
+    return [s for s in found if s.parent is not None and s.parent.span_id == parent.context.span_id]
+
+
+def test_a_request_span_under_the_clients_traceparent_with_genai_attributes(server: LiveServer, spans: Any) -> None:
+    root, _, rid = traced(server, spans, "a42")
+    a = root.attributes
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.max_tokens"] == 40
+    assert a["gen_ai.usage.output_tokens"] > 0 and a["gen_ai.usage.input_tokens"] > 0
+    assert a["chorus.request_id"] == rid
+
+
+def test_an_exchange_of_thought_is_a_tree_of_rounds_and_member_calls(server: LiveServer, spans: Any) -> None:
+    root, found, rid = traced(server, spans, "eot")
+    rounds = [s for s in children(found, root) if s.name == "eot.round"]
+    assert [r.attributes["chorus.round"] for r in rounds] == [0, 1]
+    for r in rounds:
+        calls = children(found, r)
+        assert sorted(c.attributes["chorus.member"] for c in calls) == ["a42", "c7"]
+        assert all(c.name.startswith("chat ") and c.attributes["gen_ai.usage.output_tokens"] > 0 for c in calls)
+        assert all(c.attributes["chorus.request_id"] == rid and c.attributes["chorus.ensemble"] == "eot"
+                   for c in calls)
+
+
+def test_cascade_steps_and_vote_batches(server: LiveServer, spans: Any) -> None:
+    root, found, _ = traced(server, spans, "cascade")
+    steps = [s for s in children(found, root) if s.name == "cascade.step"]
+    assert steps and steps[0].attributes["chorus.member"] == "c7"
+    assert [c.attributes["gen_ai.request.model"] for c in children(found, steps[0])] == ["c7"]
+    root, found, _ = traced(server, spans, "vote")
+    batches = [s for s in children(found, root) if s.name == "vote.batch"]
+    assert len(batches) == 2 and all(len(children(found, b)) == 2 for b in batches)
+
+
+def test_the_environment_names_the_exporters() -> None:
+    assert tracing.exporters({}) == [] and tracing.exporters({"OTEL_TRACES_EXPORTER": "none"}) == []
+    assert tracing.exporters({"OTEL_TRACES_EXPORTER": "console, otlp"}) == ["console", "otlp"]
+    assert tracing.exporters({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) == []
+    with pytest.raises(ConfigError, match="zipkin"):
+        tracing.exporters({"OTEL_TRACES_EXPORTER": "zipkin"})
