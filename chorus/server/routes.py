@@ -119,6 +119,7 @@ async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: Rep
 @router.post("/v1/completions", response_model=None)
 async def completions(req: protocol.CompletionRequest, request: Request) -> Response:
     apply_limits(request, req)
+    tracing.request_attributes(req.model, req.max_tokens, req.temperature, "text_completion")
     CACHE_SALT.set(req.cache_salt)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:

@@ -4,6 +4,7 @@ rounds, cascade steps, vote batches, one span per member call); the OTEL_* confi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,3 +104,33 @@ def test_the_environment_names_the_exporters() -> None:
     assert tracing.exporters({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}) == []
     with pytest.raises(ConfigError, match="zipkin"):
         tracing.exporters({"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_a_trace_crosses_the_gateway_and_its_remote_worker(spans: Any) -> None:
+    """The gateway's replica attempt sends its traceparent: the worker's request span is its child, in the same
+    trace as the client's."""
+    from chorus.engines.core.spec import ModelSpec
+    from chorus.engines.fake.engine import CharTokenizer
+    from chorus.engines.remote.engine import RemoteEngine
+
+    worker_cfg = {"server": {"opentelemetry": True}, "models": [{"name": "up", "engine": "fake"}]}
+    with gateway(ChorusConfig.model_validate(worker_cfg), {"up": FakeEngine("up", script="from the worker")}) as up:
+        spec = ModelSpec.model_validate({"name": "r", "engine": "remote", "max_model_len": 256, "remote": {
+            "replicas": [up.url + "/v1"], "model": "up", "tokenizer": "unused"}})
+        front_cfg = {"server": {"opentelemetry": True}, "models": [spec.model_dump(exclude_unset=True)]}
+        with gateway(ChorusConfig.model_validate(front_cfg), {"r": RemoteEngine(spec, CharTokenizer())}) as front:
+            for stream in (False, True):
+                spans.clear()
+                r = httpx.post(front.url + "/v1/chat/completions", headers={"traceparent": PARENT}, json={
+                    "model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                    "stream": stream})
+                assert r.status_code == 200
+                text = r.json()["choices"][0]["message"]["content"] if not stream else "".join(
+                    (json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+                    for line in r.text.splitlines() if line.startswith("data: {"))
+                assert text == "from the worker"
+                found = [s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == TRACE_ID]
+                attempt = next(s for s in found if s.name == "remote.attempt")
+                assert attempt.attributes["server.address"] == up.url + "/v1"
+                served = [s for s in found if s.parent is not None and s.parent.span_id == attempt.context.span_id]
+                assert served and served[0].attributes.get("gen_ai.request.model") == "up"  # the worker's span

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import torch
+from opentelemetry import propagate, trace
 
 from chorus.engines.core.base import (
     LOGITS,
@@ -61,6 +62,8 @@ from chorus.errors import (
     InvalidRequest,
 )
 
+#: a span per replica attempt (a retry on the next replica is a sibling), parent of the replica's own request span
+TRACER = trace.get_tracer("chorus.engines.remote")
 log = logging.getLogger("chorus.remote")
 
 
@@ -276,11 +279,17 @@ class RemoteEngine:
         return RemoteSession(self)
 
     async def call(self, replica: Replica, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One JSON call to one replica; errors mapped into chorus's tree, not retried."""
-        async with self.client.request(method, url, json=body) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                raise error_from(resp.status, text, replica.url)
+        """One JSON call to one replica (a span of its own, whose W3C ``traceparent`` the replica receives);
+        errors mapped into chorus's tree, not retried."""
+        with TRACER.start_as_current_span("remote.attempt", kind=trace.SpanKind.CLIENT,
+                                          attributes={"server.address": replica.url, "http.request.method": method}):
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            async with self.client.request(method, url, json=body, headers=headers) as resp:
+                text = await resp.text()
+                trace.get_current_span().set_attribute("http.response.status_code", resp.status)
+                if resp.status != 200:
+                    raise error_from(resp.status, text, replica.url)
         return json.loads(text)
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -374,8 +383,12 @@ class RemoteEngine:
             tried.add(replica.url)
             replica.outstanding += 1
             sent = False
+            span = TRACER.start_span("remote.attempt", kind=trace.SpanKind.CLIENT,
+                                     attributes={"server.address": replica.url, "http.request.method": "POST"})
+            headers: dict[str, str] = {}
+            propagate.inject(headers, context=trace.set_span_in_context(span))
             try:
-                async with self.client.post(replica.url + path, json=body) as resp:
+                async with self.client.post(replica.url + path, json=body, headers=headers) as resp:
                     if resp.status != 200:
                         raise error_from(resp.status, await resp.text(errors="replace"), replica.url)
                     async for delta in deltas_from(resp.content, self.name):
@@ -385,7 +398,9 @@ class RemoteEngine:
                 return
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
+                span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
                 if sent:
                     raise EngineFailed(f"{self.name}: replica {replica.url} failed mid-stream: {exc}") from exc
             finally:
                 replica.outstanding -= 1
+                span.end()
