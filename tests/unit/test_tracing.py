@@ -122,7 +122,7 @@ def test_a_trace_crosses_the_gateway_and_its_remote_worker(spans: Any) -> None:
             for stream in (False, True):
                 spans.clear()
                 r = httpx.post(front.url + "/v1/chat/completions", headers={"traceparent": PARENT}, json={
-                    "model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                    "model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0,
                     "stream": stream})
                 assert r.status_code == 200
                 text = r.json()["choices"][0]["message"]["content"] if not stream else "".join(
@@ -134,3 +134,43 @@ def test_a_trace_crosses_the_gateway_and_its_remote_worker(spans: Any) -> None:
                 assert attempt.attributes["server.address"] == up.url + "/v1"
                 served = [s for s in found if s.parent is not None and s.parent.span_id == attempt.context.span_id]
                 assert served and served[0].attributes.get("gen_ai.request.model") == "up"  # the worker's span
+
+
+def test_chorus_serve_exports_otlp_to_a_receiver_process(tmp_path: Any) -> None:
+    """`chorus serve` with OTEL_TRACES_EXPORTER=otlp: an ensemble request's spans reach a separate OTLP/HTTP receiver
+    (OpenTelemetry's protobuf), batched and flushed at shutdown, under OTEL_SERVICE_NAME."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from chorus.clients.local import free_port, wait_ready
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"models": [{"name": "a", "engine": "fake", "fake": {"script": "The answer is 4.", "max_model_len": 4000}},
+                                          {"name": "b", "engine": "fake", "fake": {"script": "The answer is 5.", "max_model_len": 4000}}],
+                               "ensembles": [{"name": "eot", "strategy": "exchange_of_thought", "members": ["a", "b"],
+                                              "max_rounds": 1}]}))
+    got, rport, port = tmp_path / "spans.jsonl", free_port(), free_port()
+    receiver = subprocess.Popen([sys.executable, "-m", "tests.otlp_receiver", str(rport), str(got)])
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{rport}",
+           "OTEL_SERVICE_NAME": "chorus-test", "CHORUS_HOME": str(tmp_path / "home")}
+    server = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
+                               "--no-prepare"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", server, timeout=60, interval=0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"traceparent": PARENT}, json={
+            "model": "eot", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 20})
+        assert r.status_code == 200
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+        receiver.terminate()
+        receiver.wait(10)
+    spans = [json.loads(line) for line in got.read_text().splitlines()] if got.exists() else []
+    mine = [s for s in spans if s["trace_id"] == TRACE_ID]
+    assert mine and {s["service"] for s in mine} == {"chorus-test"}, err[-2000:]
+    names = [s["name"] for s in mine]
+    assert names.count("eot.round") == 2 and names.count("chat a") == 2 and names.count("chat b") == 2
+    root = next(s for s in mine if s["attributes"].get("gen_ai.request.model") == "eot")
+    assert root["parent"] == "00f067aa0ba902b7" and root["attributes"]["gen_ai.usage.output_tokens"] > 0
