@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from chorus.engines.core.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
@@ -179,7 +180,8 @@ class Call:
         span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
                                  req.params.temperature)
         try:
-            gen = await member.engine.generate(req)
+            with trace.use_span(span, end_on_exit=False):  # the engine's phases are its children
+                gen = await member.engine.generate(req)
             spans.usage(span, gen.prompt_tokens, gen.completion_tokens)
         except InvalidRequest as exc:
             span.record_exception(exc)

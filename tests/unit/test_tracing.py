@@ -22,6 +22,29 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
+def open_spans() -> Any:
+    """A span processor that knows which spans started and have not ended."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class OpenSpans(SpanProcessor):
+        def __init__(self) -> None:
+            self.open: dict[int, Any] = {}
+
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            self.open[span.context.span_id] = span
+
+        def on_end(self, span: Any) -> None:
+            self.open.pop(span.context.span_id, None)
+
+        def of_trace(self, trace_id: str) -> list[str]:
+            return [s.name for s in list(self.open.values()) if format(s.context.trace_id, "032x") == trace_id]
+
+    return OpenSpans()
+
+
+OPEN = open_spans()
+
+
 @pytest.fixture(scope="module")
 def spans() -> Any:
     from opentelemetry.sdk.trace import TracerProvider
@@ -34,20 +57,24 @@ def spans() -> Any:
         provider = TracerProvider()
         trace.set_tracer_provider(provider)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.add_span_processor(OPEN)
     return exporter
 
 
 @pytest.fixture(scope="module")
 def server(spans: Any) -> Iterator[LiveServer]:
     engines = {"a42": FakeEngine("a42", script="Six times seven. The answer is 42.", max_model_len=2048),
-               "c7": FakeEngine("c7", script="The answer is 7.", max_model_len=2048)}
+               "c7": FakeEngine("c7", script="The answer is 7.", max_model_len=2048),
+               "slow": FakeEngine("slow", script="x" * 200, delay=0.02, max_model_len=2048)}
     config = {"server": {"opentelemetry": True},
               "models": [{"name": n, "engine": "fake"} for n in engines],
               "ensembles": [{"name": "eot", "strategy": "exchange_of_thought", "members": ["a42", "c7"],
                              "max_rounds": 1},
                             {"name": "cascade", "strategy": "cascade", "members": ["c7", "a42"], "threshold": 0.0},
                             {"name": "vote", "strategy": "answer_vote", "members": ["a42", "c7"], "samples": 2,
-                             "batch": 1}]}
+                             "batch": 1},
+                            {"name": "slow-vote", "strategy": "answer_vote", "members": ["slow", "slow"],
+                             "samples": 2, "batch": 1}]}
     with gateway(ChorusConfig.model_validate(config), engines) as srv:
         yield srv
 
@@ -69,11 +96,15 @@ def children(found: list[Any], parent: Any) -> list[Any]:
 
 
 def test_a_request_span_under_the_clients_traceparent_with_genai_attributes(server: LiveServer, spans: Any) -> None:
-    root, _, rid = traced(server, spans, "a42")
+    root, found, rid = traced(server, spans, "a42")
     a = root.attributes
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.max_tokens"] == 40
     assert a["gen_ai.usage.output_tokens"] > 0 and a["gen_ai.usage.input_tokens"] > 0
     assert a["chorus.request_id"] == rid
+    prefill, decode = (next(s for s in found if s.name == name) for name in ("engine.prefill", "engine.decode"))
+    assert prefill.parent.span_id == decode.parent.span_id == root.context.span_id
+    assert prefill.attributes["chorus.engine"] == "a42" and decode.attributes["gen_ai.usage.output_tokens"] > 0
+    assert prefill.end_time <= decode.start_time
 
 
 def test_an_exchange_of_thought_is_a_tree_of_rounds_and_member_calls(server: LiveServer, spans: Any) -> None:
@@ -86,6 +117,7 @@ def test_an_exchange_of_thought_is_a_tree_of_rounds_and_member_calls(server: Liv
         assert all(c.name.startswith("chat ") and c.attributes["gen_ai.usage.output_tokens"] > 0 for c in calls)
         assert all(c.attributes["chorus.request_id"] == rid and c.attributes["chorus.ensemble"] == "eot"
                    for c in calls)
+        assert all({s.name for s in children(found, c)} == {"engine.prefill", "engine.decode"} for c in calls)
 
 
 def test_cascade_steps_and_vote_batches(server: LiveServer, spans: Any) -> None:
@@ -174,3 +206,22 @@ def test_chorus_serve_exports_otlp_to_a_receiver_process(tmp_path: Any) -> None:
     assert names.count("eot.round") == 2 and names.count("chat a") == 2 and names.count("chat b") == 2
     root = next(s for s in mine if s["attributes"].get("gen_ai.request.model") == "eot")
     assert root["parent"] == "00f067aa0ba902b7" and root["attributes"]["gen_ai.usage.output_tokens"] > 0
+
+
+@pytest.mark.parametrize("model", ["slow", "slow-vote"])
+def test_no_span_is_left_open_when_the_client_goes_away(server: LiveServer, spans: Any, model: str) -> None:
+    import time
+
+    trace_id = format(int(time.time_ns()) & ((1 << 128) - 1), "032x")
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+                      json={"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 150,
+                            "stream": True}) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response at once
+        next(lines)
+        time.sleep(0.3)  # mid-answer (about 150 tokens x 0.02 s each were asked for)
+        assert OPEN.of_trace(trace_id)  # spans are open while it runs
+    deadline = time.monotonic() + 10
+    while OPEN.of_trace(trace_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert OPEN.of_trace(trace_id) == []

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from opentelemetry import trace
 
 from chorus.engines.core import tool_calls
 from chorus.engines.core.base import (
@@ -42,6 +43,9 @@ from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.runtime.metric import Metric
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
+
+#: engine phases as spans (OpenTelemetry's API: no-ops unless the server configured the SDK)
+TRACER = trace.get_tracer("chorus.engines")
 
 
 def check_context(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
@@ -186,23 +190,34 @@ class SessionEngine:
         max_tokens = check_context(len(request.prompt_ids), params, self.max_model_len)
         self.check_options(request.options)
         queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
-        try:
-            started = await self.prefill_sessions(request.prompt_ids, params.n, request.options)
-        except GatewayError:
-            raise
-        except Exception as exc:
-            raise EngineFailed(f"{self.name}: prefill failed: {exc}") from exc
-        # a prefix cache's hit (the llama.cpp engine's sessions say how many prompt tokens they did not compute)
-        request.cached_tokens = max((getattr(s, "cached", 0) for s, _ in started), default=0)
+        # engine phases as spans (no-ops unless tracing is configured): the wait for the batch and the prefill, then
+        # the decode of every choice
+        with TRACER.start_as_current_span("engine.prefill", attributes={
+                "chorus.engine": self.name, "gen_ai.usage.input_tokens": len(request.prompt_ids), "chorus.n": params.n}
+                ) as prefill_span:
+            try:
+                started = await self.prefill_sessions(request.prompt_ids, params.n, request.options)
+            except GatewayError:
+                raise
+            except Exception as exc:
+                raise EngineFailed(f"{self.name}: prefill failed: {exc}") from exc
+            # a prefix cache's hit (the engine's sessions say how many prompt tokens they did not compute)
+            request.cached_tokens = max((getattr(s, "cached", 0) for s, _ in started), default=0)
+            prefill_span.set_attribute("chorus.cached_tokens", request.cached_tokens)
+        decode_span = TRACER.start_span("engine.decode", attributes={"chorus.engine": self.name})
+        emitted = 0
         if len(started) == 1:  # one choice: decoded in the consumer's task (no task and queue between them)
             session, logits = started[0]
             try:
                 async for delta in self._choice(0, session, logits, request, max_tokens):
+                    emitted += len(delta.token_ids)
                     yield delta
             finally:
                 session.close()
                 if request.trace is not None:
                     request.trace.update(self.family_trace([session]))
+                decode_span.set_attribute("gen_ai.usage.output_tokens", emitted)
+                decode_span.end()
             return
         tasks = [
             asyncio.create_task(self._run_choice(i, session, logits, request, max_tokens, queue))
@@ -217,6 +232,7 @@ class SessionEngine:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    emitted += len(item.token_ids)
                     yield item
         finally:
             for t in tasks:
@@ -226,6 +242,8 @@ class SessionEngine:
                 session.close()
             if request.trace is not None:
                 request.trace.update(self.family_trace([session for session, _ in started]))
+            decode_span.set_attribute("gen_ai.usage.output_tokens", emitted)
+            decode_span.end()
 
     async def _choice(self, index: int, session: Session, logits: torch.Tensor, request: GenerationRequest,
                       max_tokens: int) -> AsyncGenerator[Delta, None]:
