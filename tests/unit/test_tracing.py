@@ -73,6 +73,7 @@ def server(spans: Any) -> Iterator[LiveServer]:
                             {"name": "cascade", "strategy": "cascade", "members": ["c7", "a42"], "threshold": 0.0},
                             {"name": "vote", "strategy": "answer_vote", "members": ["a42", "c7"], "samples": 2,
                              "batch": 1},
+                            {"name": "avg", "strategy": "logit_average", "members": ["a42", "a42"]},
                             {"name": "slow-vote", "strategy": "answer_vote", "members": ["slow", "slow"],
                              "samples": 2, "batch": 1}]}
     with gateway(ChorusConfig.model_validate(config), engines) as srv:
@@ -128,6 +129,14 @@ def test_cascade_steps_and_vote_batches(server: LiveServer, spans: Any) -> None:
     root, found, _ = traced(server, spans, "vote")
     batches = [s for s in children(found, root) if s.name == "vote.batch"]
     assert len(batches) == 2 and all(len(children(found, b)) == 2 for b in batches)
+
+
+def test_logit_average_has_a_span_per_member_over_the_whole_answer(server: LiveServer, spans: Any) -> None:
+    root, found, _ = traced(server, spans, "avg")
+    members = [s for s in children(found, root) if s.name == "chat a42"]
+    assert sorted(s.attributes["chorus.member"] for s in members) == ["a42", "a42#2"]
+    assert all(s.attributes["gen_ai.usage.output_tokens"] > 0 for s in members)
+    assert any(s.name == "engine.decode" for s in children(found, root))  # the averaged engine's own phases
 
 
 def test_the_environment_names_the_exporters() -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
+from opentelemetry.trace import StatusCode
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chorus.engines.core.base import Delta, TokenLogprob
 from chorus.engines.core.generation import check_context
+from chorus.ensembles import spans
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
@@ -162,6 +164,9 @@ class LogitAverageStrategy(Strategy):
                            "align": self.params.align})
         deltas = engine.stream_for(reqs, call)
         emitted: list[int] = []
+        # token by token, every member is at work for the whole answer: one span each, from start to end
+        member_spans = [spans.member_call(call.ensemble, m.label, m.spec.model, r.params.max_tokens,
+                                          r.params.temperature) for m, r in zip(self.members, reqs)]
         try:
             async for d in deltas:
                 if d.index == 0:
@@ -170,3 +175,8 @@ class LogitAverageStrategy(Strategy):
         finally:
             await deltas.aclose()
             engine.finish(call, self.members, reqs, dropped, emitted)
+            for m, r, span in zip(self.members, reqs, member_spans):
+                if m.label in dropped:
+                    span.set_status(StatusCode.ERROR, "dropped")
+                spans.usage(span, len(r.prompt_ids), len(emitted))
+                span.end()
