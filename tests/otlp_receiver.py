@@ -32,6 +32,7 @@ class Receiver(BaseHTTPRequestHandler):
                     for s in ss.spans:
                         f.write(json.dumps({"service": service, "name": s.name, "trace_id": s.trace_id.hex(),
                                             "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
+                                            "start": s.start_time_unix_nano, "end": s.end_time_unix_nano,
                                             "attributes": {a.key: value(a.value) for a in s.attributes}}) + "\n")
         reply = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)

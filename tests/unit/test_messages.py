@@ -35,6 +35,7 @@ def engines() -> dict[str, FakeEngine]:
 def server() -> Iterator[LiveServer]:
     config = {"models": [{"name": n, "engine": "fake"} for n in engines()],
               "ensembles": [{"name": "vote", "strategy": "answer_vote", "members": ["a42", "b42"], "samples": 2,
+                             "temperature": None,  # the request's (0): the fakes follow their scripts
                              "batch": 2}],
               "auth": {"keys": [{"name": "user", "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]}}
     with gateway(ChorusConfig.model_validate(config), engines()) as srv:
@@ -90,7 +91,7 @@ def test_ensembles_named_and_in_the_body(client: anthropic.Anthropic) -> None:
 
 def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     first = client.messages.create(model="caller", max_tokens=128, messages=[
-        {"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice={"type": "any"})
+        {"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice={"type": "any"}, extra_body=T0)
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
     assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id
@@ -98,10 +99,10 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C, sunny"}]}],
-        tool_choice={"type": "none"})
+        tool_choice={"type": "none"}, extra_body=T0)
     assert second.stop_reason == "end_turn" and second.content[0].type == "text"
     with client.messages.stream(model="caller", max_tokens=128, tools=[WEATHER], tool_choice={"type": "any"},
-                                messages=[{"role": "user", "content": "Weather in Paris?"}]) as stream:
+                                messages=[{"role": "user", "content": "Weather in Paris?"}], extra_body=T0) as stream:
         events = list(stream)
         final = stream.get_final_message()
     assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
