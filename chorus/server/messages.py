@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from chorus.errors import InvalidRequest
 from chorus.server import routes
 from chorus.server.messages_shapes import MessageEvents, MessagesRequest, MessagesState
 from chorus.server.replies import json_response
@@ -43,6 +44,9 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
 async def count_tokens(req: MessagesRequest, request: Request) -> Response:
     """The prompt's tokens as the model would read it (its chat template, and the tools as it is offered them); an
     ensemble's are its first member's."""
+    if req.ensemble is not None:  # counted for a model or a named ensemble; never silently ignored
+        raise InvalidRequest("count_tokens counts the prompt of a model or a named ensemble; an inline 'ensemble' "
+                             "is not used here: name one of its members as the model.", param="ensemble")
     chat = req.to_chat(need_max_tokens=False)
     name = req.model
     named = ensembles(request).get(name)

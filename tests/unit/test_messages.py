@@ -114,6 +114,8 @@ def test_count_tokens_counts_the_prompt_the_model_reads(client: anthropic.Anthro
     made = client.messages.create(model="a42", max_tokens=2, messages=ASK, extra_body=T0)
     assert counted.input_tokens == made.usage.input_tokens > 0
     assert client.messages.count_tokens(model="vote", messages=ASK).input_tokens == counted.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="ensemble"):
+        client.messages.count_tokens(model="a42", messages=ASK, extra_body={"ensemble": {"strategy": "crowd_vote"}})
 
 
 def anthropic_error(server: LiveServer, body: dict[str, Any], headers: dict[str, str] | None = None,
