@@ -9,7 +9,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from chorus.engines.core.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
@@ -180,7 +179,7 @@ class Call:
         span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
                                  req.params.temperature)
         try:
-            with trace.use_span(span, end_on_exit=False):  # the engine's phases are its children
+            with spans.within(span):  # the engine's phases are its children
                 gen = await member.engine.generate(req)
             spans.usage(span, gen.prompt_tokens, gen.completion_tokens)
         except InvalidRequest as exc:
@@ -205,7 +204,7 @@ class Call:
         completion = 0
         span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
                                  req.params.temperature)
-        stream = member.engine.stream(req)
+        stream = spans.under(span, member.engine.stream(req))  # the engine's phases are its children
         try:
             async for d in stream:
                 completion += len(d.token_ids)

@@ -182,15 +182,20 @@ class MixtureOfAgents(Strategy):
         judge["order"] = [alive[i][0].label for i in order]  # answer k in the judge's prompt is order[k-1]
         shown = [answers[i] for i in order]
         after = ""
-        if self.params.rationale:
-            gen = await call.generate(self.aggregator, with_references(self.aggregator.persona(messages), shown,
-                                                                       ASSESS),
-                                      persona=False, n=1, logprobs=False, top_logprobs=0, constraint=None)
-            judge["rationale"] = gen.choices[0].text if gen is not None else None
-            if judge["rationale"]:
-                after = ASSESSMENT + judge["rationale"]
-        final = with_references(self.aggregator.persona(messages), shown, self.params.aggregate_prompt, after)
-        async for d in call.stream(self.aggregator, final, persona=False):
-            yield d
+        span = spans.started("moa.judge", chorus__member=self.aggregator.label, chorus__proposals=len(shown))
+        try:  # the judge's calls (its rationale, its answer) are the span's children
+            if self.params.rationale:
+                with spans.within(span):
+                    gen = await call.generate(self.aggregator, with_references(self.aggregator.persona(messages),
+                                                                               shown, ASSESS),
+                                              persona=False, n=1, logprobs=False, top_logprobs=0, constraint=None)
+                judge["rationale"] = gen.choices[0].text if gen is not None else None
+                if judge["rationale"]:
+                    after = ASSESSMENT + judge["rationale"]
+            final = with_references(self.aggregator.persona(messages), shown, self.params.aggregate_prompt, after)
+            async for d in spans.under(span, call.stream(self.aggregator, final, persona=False)):
+                yield d
+        finally:
+            span.end()
         call.trace["winner"] = {"member": self.aggregator.label}
         call.trace["reason"] = f"aggregator synthesised {len(answers)} proposals from {self.params.layers} layer(s)"

@@ -4,16 +4,17 @@ step). Through OpenTelemetry's API only: without a configured SDK (server/tracin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
 TRACER = trace.get_tracer("chorus.ensembles")
 #: the request's id (X-Request-ID, set by the gateway), on every span
 REQUEST_ID: ContextVar[str | None] = ContextVar("chorus_request_id", default=None)
+T = TypeVar("T")
 
 
 def attributes(**fields: Any) -> dict[str, Any]:
@@ -43,3 +44,30 @@ def step(name: str, **fields: Any) -> Iterator[Any]:
     async generator: a span must end in the context it started in."""
     with TRACER.start_as_current_span(name, attributes=attributes(**fields)) as span:
         yield span
+
+
+def started(name: str, **fields: Any) -> Any:
+    """A step's span, started but not current (for a step that streams: see `under`); the caller ends it."""
+    return TRACER.start_span(name, attributes=attributes(**fields))
+
+
+def within(span: Any) -> Any:
+    """``span`` as the current span for a block (the caller records errors and ends it)."""
+    return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+
+
+async def under(span: Any, items: AsyncIterator[T]) -> AsyncGenerator[T, None]:
+    """``items`` with each step run inside ``span`` (the spans it starts are its children), the context never held
+    across a ``yield``; closing this closes ``items``."""
+    try:
+        while True:
+            with within(span):
+                try:
+                    item = await anext(items)
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            await aclose()

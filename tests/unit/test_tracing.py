@@ -75,7 +75,9 @@ def server(spans: Any) -> Iterator[LiveServer]:
                              "batch": 1},
                             {"name": "avg", "strategy": "logit_average", "members": ["a42", "a42"]},
                             {"name": "slow-vote", "strategy": "answer_vote", "members": ["slow", "slow"],
-                             "samples": 2, "batch": 1}]}
+                             "samples": 2, "batch": 1},
+                            {"name": "moa", "strategy": "mixture_of_agents", "members": ["a42", "c7"],
+                             "aggregator": "a42", "rationale": True}]}
     with gateway(ChorusConfig.model_validate(config), engines) as srv:
         yield srv
 
@@ -137,6 +139,53 @@ def test_logit_average_has_a_span_per_member_over_the_whole_answer(server: LiveS
     assert sorted(s.attributes["chorus.member"] for s in members) == ["a42", "a42#2"]
     assert all(s.attributes["gen_ai.usage.output_tokens"] > 0 for s in members)
     assert any(s.name == "engine.decode" for s in children(found, root))  # the averaged engine's own phases
+
+
+def test_mixture_of_agents_has_its_proposals_under_a_layer_and_its_judge_calls_under_a_judge(
+        server: LiveServer, spans: Any) -> None:
+    root, found, _ = traced(server, spans, "moa")
+    (layer,) = [s for s in children(found, root) if s.name == "moa.layer"]
+    assert sorted(c.attributes["chorus.member"] for c in children(found, layer)) == ["a42", "c7"]
+    (judge,) = [s for s in children(found, root) if s.name == "moa.judge"]
+    assert judge.attributes["chorus.proposals"] == 2
+    rationale, answer = sorted(children(found, judge), key=lambda s: s.start_time)
+    assert rationale.name == answer.name == "chat a42"
+    # the streamed answer's engine phases are its children too (each step of the stream runs in its context)
+    assert {s.name for s in children(found, answer)} == {"engine.prefill", "engine.decode"}
+    assert judge.start_time <= rationale.start_time and answer.end_time <= judge.end_time
+
+
+async def test_a_batched_prefill_reports_its_wait_as_an_engine_queue_span(spans: Any) -> None:
+    """The transformers engine's scheduler stamps when it first takes a prompt; the wait before that is a child
+    span of engine.prefill (llama.cpp's runner stamps its sessions the same way)."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from chorus.engines.core.generation import TRACER, queue_span
+    from chorus.engines.runtime.observer import DenseObserver
+    from chorus.engines.transformers.batching import BatchRunner
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2), attn_implementation="sdpa").eval()
+    runner = BatchRunner(model, max_model_len=64, observer=DenseObserver())
+    spans.clear()
+    try:
+        with TRACER.start_as_current_span("engine.prefill") as prefill:
+            sessions = [runner.open_many(1)[0] for _ in range(3)]
+            await asyncio.gather(*(runner.submit_prefill([s], [5, 6, 7, 8 + i]) for i, s in enumerate(sessions)))
+            queue_span(prefill, [(s, None) for s in sessions])
+            for s in sessions:
+                s.close()
+    finally:
+        await runner.stop()
+    assert all(s.scheduled_ns and s.scheduled_ns >= prefill.start_time for s in sessions)
+    (queue,) = [s for s in spans.get_finished_spans() if s.name == "engine.queue"]
+    assert queue.parent.span_id == prefill.context.span_id
+    assert queue.start_time == prefill.start_time and queue.end_time == min(s.scheduled_ns for s in sessions)
 
 
 def test_the_environment_names_the_exporters() -> None:

@@ -204,6 +204,7 @@ class SessionEngine:
             # a prefix cache's hit (the engine's sessions say how many prompt tokens they did not compute)
             request.cached_tokens = max((getattr(s, "cached", 0) for s, _ in started), default=0)
             prefill_span.set_attribute("chorus.cached_tokens", request.cached_tokens)
+            queue_span(prefill_span, started)
         decode_span = TRACER.start_span("engine.decode", attributes={"chorus.engine": self.name})
         emitted = 0
         if len(started) == 1:  # one choice: decoded in the consumer's task (no task and queue between them)
@@ -330,3 +331,13 @@ async def decode_loop(session: Session, logits: torch.Tensor, tokenizer: Tokeniz
             yield Delta(index, text, [pick.token], pick.logprobs)
     finally:
         await picks.aclose()
+
+
+def queue_span(prefill: Any, started: Sequence[tuple[Any, Any]]) -> None:
+    """The wait before a prefill's first forward, as a child span of ``engine.prefill`` (from its start to when the
+    scheduler first took the prompt: the sessions' ``scheduled_ns``, set by the engines that batch)."""
+    scheduled = [t for t in (getattr(s, "scheduled_ns", None) for s, _ in started) if t]
+    begin = getattr(prefill, "start_time", None)
+    if not scheduled or not begin:  # no batch scheduler, or tracing off (a no-op span has no start time)
+        return
+    TRACER.start_span("engine.queue", start_time=begin).end(end_time=max(begin, min(scheduled)))

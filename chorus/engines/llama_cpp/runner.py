@@ -37,6 +37,7 @@ import functools
 import heapq
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -234,6 +235,9 @@ class LlamaRunner:
                 self._wake.clear()
                 continue
             self._interrupt.clear()
+            now = time.time_ns()
+            for s, _ in plan:
+                s.scheduled_ns = s.scheduled_ns or now
             try:
                 copies, self.to_copy = self.to_copy, []
                 out, decodes = await loop.run_in_executor(self.thread, self._run, [f for _, f in plan], copies)

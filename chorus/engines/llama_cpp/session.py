@@ -78,6 +78,7 @@ class LlamaSession:
         self.tokens: list[int] = []
         self.recording = True
         self.cached = 0  # prompt tokens its prefill read from the prefix cache
+        self.scheduled_ns: int | None = None  # when its prefill first entered a batch (the queue span's end)
         self.salt = CACHE_SALT.get()  # its request's cache_salt: prefixes are shared only under the same one
         # the request (else the task) that opened it: the sessions one request holds open without a sequence id
         # take their ids together (`LlamaRunner._take_ids`)

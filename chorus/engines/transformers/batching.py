@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,7 @@ class BatchedSession:
         self.joined = False
         self.closed = False
         self.cached = 0  # prompt tokens its prefill read from the prefix cache
+        self.scheduled_ns: int | None = None  # when its prefill first entered a forward (the queue span's end)
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -215,6 +217,10 @@ class BatchRunner:
             jobs = plan_prefills(self.prefills, len(self.rows), self.prefill_chunk, self.max_batch_size)
             if not decode and not jobs:
                 continue
+            now = time.time_ns()
+            for job, _ in jobs:
+                for s in job.sessions:
+                    s.scheduled_ns = s.scheduled_ns or now
             try:
                 dec_logits = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self.passes.step, self.batch, [(i, t) for i, _, t in decode], jobs)
