@@ -92,6 +92,55 @@ class Price(BaseModel):
     completion: float = Field(ge=0)
 
 
+class FeedbackMetric(BaseModel):
+    """A metric ``POST /v1/feedback`` accepts: a boolean (thumbs up, test passed) or a number (a rating, a grade)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    type: Literal["boolean", "number"] = "boolean"
+    higher_is_better: bool = True
+    min: float | None = Field(default=None, description="number: the lowest value accepted (and scaled to 0)")
+    max: float | None = Field(default=None, description="number: the highest value accepted (and scaled to 1)")
+
+    @model_validator(mode="after")
+    def _range(self) -> FeedbackMetric:
+        if self.type == "boolean" and (self.min is not None or self.max is not None):
+            raise ValueError(f"metric {self.name!r}: min and max apply to number metrics only")
+        if self.min is not None and self.max is not None and not self.min < self.max:
+            raise ValueError(f"metric {self.name!r}: min must be below max")
+        return self
+
+    def quality(self, value: float) -> float:
+        """The value as a reward: a boolean 1 or 0; a number scaled to 0-1 by min and max when both are given;
+        reversed when lower is better."""
+        q = float(value)
+        if self.type == "number" and self.min is not None and self.max is not None:
+            q = (q - self.min) / (self.max - self.min)
+            return q if self.higher_is_better else 1.0 - q
+        return q if self.higher_is_better else (1.0 - q if self.type == "boolean" else -q)
+
+
+class FeedbackSection(BaseModel):
+    """``POST /v1/feedback`` (server/feedback.py): the metrics it accepts and how long a request is kept for it
+    (in the state store: Redis when configured, so any replica joins feedback to any replica's requests)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metrics: list[FeedbackMetric] = Field(default_factory=list)
+    keep_s: float = Field(default=86_400.0, gt=0, description="a request can get feedback this long after it")
+    max_requests: int = Field(default=100_000, ge=1, description="requests kept in this process (memory store)")
+    max_events: int = Field(default=100_000, ge=1, description="learned outcomes kept per online router")
+
+    @field_validator("metrics")
+    @classmethod
+    def _unique(cls, v: list[FeedbackMetric]) -> list[FeedbackMetric]:
+        names = [m.name for m in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"metric names must be unique: {', '.join(names)}")
+        return v
+
+
 class ServerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -102,6 +151,7 @@ class ServerSection(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     sessions: SessionsSection = Field(default_factory=SessionsSection)
     state: StateSection = Field(default_factory=StateSection)
+    feedback: FeedbackSection = Field(default_factory=FeedbackSection)
     #: the playground page at /playground (static files calling this server's API from the browser)
     playground: bool = True
     #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
@@ -185,7 +235,10 @@ class ChorusConfig(BaseModel):
                 raise ValueError(f"ensemble {e.name!r}: unknown member model(s) {', '.join(missing)}")
             try:
                 klass = strategy_class(e.strategy)
-                klass.check_config(klass.Params.model_validate(e.params), [m.model for m in e.members])
+                params = klass.Params.model_validate(e.params)
+                klass.check_config(params, [m.model for m in e.members])
+                klass.check_links(params, e.name, {x.name for x in self.ensembles},
+                                  {m.name for m in self.server.feedback.metrics})
             except GatewayError as exc:
                 raise ValueError(f"ensemble {e.name!r}: {exc.message}") from None
             except ValidationError as exc:

@@ -15,7 +15,9 @@ cannot be prepared while serving becomes `EngineUnavailable`)::
      │    ├── ModelNotFound             404 code=model_not_found
      │    ├── SessionNotFound           404 code=session_not_found  (session API: unknown or reaped id)
      │    ├── ResponseNotFound          404 code=response_not_found (/v1/responses: not stored, or dropped)
+     │    ├── RequestNotFound           404 code=request_not_found  (/v1/feedback: unknown or expired id)
      │    ├── SessionBusy               409 code=session_busy       (session API: a step is in flight)
+     │    ├── FeedbackExists            409 code=feedback_exists    (/v1/feedback: that metric already given)
      │    ├── RequestTooLarge           413 code=request_too_large
      │    ├── RateLimited               429 rate_limit_exceeded     (retry_after: seconds; code=budget_exceeded)
      │    ├── ClientClosedRequest       499 client_closed_request   (nobody reads it: the client left)
@@ -101,6 +103,18 @@ class ResponseNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "response_not_found"
+
+
+class RequestNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "request_not_found"
+
+
+class FeedbackExists(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "feedback_exists"
 
 
 class SessionBusy(GatewayError):

@@ -123,6 +123,11 @@ class Strategy:
         model names); raise `InvalidRequest`, which the config reports as its error."""
 
     @classmethod
+    def check_links(cls, params: Any, name: str, ensembles: set[str], metrics: set[str]) -> None:
+        """What a named ensemble's entry refers to elsewhere in the config: other named ensembles, feedback
+        metrics (``server.feedback.metrics``); raise `InvalidRequest` naming what is missing."""
+
+    @classmethod
     def member_minimum(cls, params: Any) -> int:
         return cls.min_members
 
@@ -164,6 +169,21 @@ class Strategy:
 
     async def warm(self) -> None:
         """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""
+
+    #: learns from feedback across requests (an online router): served named only, bound at start-up
+    learns_online: ClassVar[bool] = False
+
+    def bind(self, named: dict[str, Ensemble], outcomes: Any) -> None:
+        """A named ensemble at start-up: the other named ensembles (arms of an online router) and the shared
+        outcome log (routers/outcomes.py)."""
+
+    def feedback_metric(self) -> str | None:
+        """The feedback metric this ensemble learns from (None: it learns nothing)."""
+        return None
+
+    async def learn(self, decision: dict[str, Any], quality: float, tokens: int, price: float) -> bool:
+        """Feedback on one of its requests (``decision``: what it recorded then); whether it learned from it."""
+        return False
 
     def precheck(self, call: Call) -> None:
         """Validation that needs the request (context lengths): runs before any member is called."""
@@ -250,7 +270,7 @@ class Ensemble:
             params = sampling(defaults)
             return params if params.max_tokens is not None else replace(params, max_tokens=spec.call_max_tokens)
 
-        call = Call(s.members, prompt, bounded, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
+        call = Call(list(s.members), prompt, bounded, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
                     detail=spec.trace, n=n, deadline_s=spec.deadline_s, max_total_tokens=spec.max_total_tokens)
         s.precheck(call)
         return call

@@ -139,6 +139,8 @@ class Call:
     max_total_tokens: int | None = None
     started: float = field(default_factory=time.monotonic)
     stopped: str | None = None  # why the budget ended the work early (None: it did not)
+    #: what an online router decided (kept with the request id, so that feedback can be joined to it)
+    decision: dict[str, Any] | None = None
 
     def over_budget(self, before: str) -> bool:
         """Whether the deadline or the token budget is spent, so that ``before`` (a new round, the judge, ...)

@@ -10,13 +10,15 @@ of another router than the one named is a 400 naming it. The chosen member's ans
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Any
 
 from chorus.engines.core.base import Delta
-from chorus.ensembles.base import Strategy
-from chorus.ensembles.call import Call
+from chorus.ensembles.base import Ensemble, Strategy
+from chorus.ensembles.call import Call, Member
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
 from chorus.ensembles.metrics import ROUTE_DECISIONS
-from chorus.ensembles.routers.base import ROUTERS, RouteParams, Router, build_router
+from chorus.ensembles.routers.base import ROUTERS, RouteParams, Router, build_router, router_class
 from chorus.errors import InvalidRequest
 
 __all__ = ["ROUTERS", "Route", "RouteParams"]
@@ -27,8 +29,28 @@ class Route(Strategy):
     token_level = True  # one member answers: its tokens stream as made
     default_on_member_error = "fail"
 
+    @classmethod
+    def check_links(cls, params: RouteParams, name: str, ensembles: set[str], metrics: set[str]) -> None:
+        router_class(params.router).check_links(params, name, ensembles, metrics)
+
     def check(self) -> None:
         self.router: Router = build_router(self.params, self.members)
+        if self.router.learns_online and self.ensemble.startswith("inline:"):
+            raise InvalidRequest(f"router: {self.params.router} learns across requests: serve it as a named "
+                                 "ensemble in the config (a request body cannot give one).", param="ensemble.router")
+
+    @property
+    def learns_online(self) -> bool:  # type: ignore[override]
+        return self.router.learns_online
+
+    def bind(self, named: dict[str, Ensemble], outcomes: Any) -> None:
+        self.router.bind(self.ensemble, named, outcomes)
+
+    def feedback_metric(self) -> str | None:
+        return self.router.feedback_metric()
+
+    async def learn(self, decision: dict[str, Any], quality: float, tokens: int, price: float) -> bool:
+        return await self.router.learn(decision, quality, tokens, price)
 
     async def warm(self) -> None:
         """Embed the router's examples (once; named ensembles do it at start-up)."""
@@ -51,8 +73,31 @@ class Route(Strategy):
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         seed = call.sampling({}).seed
-        member, why = await self.router.choose(call, seed)
-        ROUTE_DECISIONS.labels(self.ensemble, self.params.router, member.label).inc()
-        call.trace.update({"router": self.params.router, **why, "winner": {"member": member.label}})
-        async for d in call.stream(member):
+        arm, why = await self.router.choose(call, seed)
+        if isinstance(arm, Member):
+            ROUTE_DECISIONS.labels(self.ensemble, self.params.router, arm.label).inc()
+            call.trace.update({"router": self.params.router, **why, "winner": {"member": arm.label}})
+            async for d in call.stream(arm):
+                yield d
+            return
+        name = arm.strategy.ensemble  # a named ensemble is the arm (router: online): it answers as itself
+        ROUTE_DECISIONS.labels(self.ensemble, self.params.router, name).inc()
+        call.trace.update({"router": self.params.router, **why, "winner": {"ensemble": name}})
+        async for d in run_arm(call, arm, name):
             yield d
+
+
+async def run_arm(call: Call, arm: Ensemble, name: str) -> AsyncGenerator[Delta, None]:
+    """The named ensemble ``arm`` answers ``call``'s prompt with its own strategy; its members' usage is added to
+    the call under ``NAME/LABEL`` (each charged to its own model) and its trace goes under ``arm_trace``."""
+    sub = arm.call(call.prompt, call.sampling, n=call.n, logprobs=call.logprobs)
+    try:
+        async for d in arm.strategy.stream(sub):
+            yield d
+    finally:
+        for m in sub.members:
+            call.members.append(replace(m, label=f"{name}/{m.label}"))
+        for label, u in sub.by_member.items():
+            call.by_member[f"{name}/{label}"] = u
+        call.usage.add(sub.usage.prompt_tokens, sub.usage.completion_tokens, sub.usage.calls)
+        call.trace["arm_trace"] = sub.final_trace()

@@ -21,6 +21,8 @@ from chorus.server.auth import KeyStore, hash_key
 from chorus.server.choices import router as choices_router
 from chorus.server.embeddings import router as embeddings_router
 from chorus.server.fastpath import FastPath
+from chorus.server.feedback import router as feedback_router
+from chorus.server.feedback_store import RequestBook, request_book
 from chorus.server.gateway import Admission, Gateway
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.limits import BodyLimit
@@ -48,6 +50,13 @@ def key_state(config: ChorusConfig) -> KeyState:
     return RedisState(config.server.state, keys)
 
 
+def bind_learners(named: dict[str, Ensemble], book: RequestBook) -> None:
+    """Named ensembles that learn from feedback (online routers) get the served ensembles (their arms) and the
+    shared outcome log (the config has checked the arms and metrics they name)."""
+    for ensemble in named.values():
+        ensemble.strategy.bind(named, book.outcomes)
+
+
 def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, api_keys: str | None = None) -> FastAPI:
     """Build the gateway. ``engines`` injects ready engines (tests); otherwise each model is loaded at start-up."""
 
@@ -67,16 +76,19 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
             await engine.start()
         app.state.engines = loaded
         app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in served.ensembles}
+        bind_learners(app.state.ensembles, app.state.feedback)
         for ensemble in app.state.ensembles.values():
             await ensemble.strategy.warm()
         app.state.sessions.start()
         await app.state.key_state.start()
+        await app.state.feedback.start()
         unwatch = watch_engines(lambda: app.state.engines)
         try:
             yield
         finally:
             unwatch()
             await app.state.key_state.aclose()  # buffered charges are written before exit
+            await app.state.feedback.aclose()  # and request records kept for feedback
             await app.state.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
@@ -100,6 +112,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.include_router(responses_router)
     app.include_router(messages_router)
     app.include_router(embeddings_router)
+    app.include_router(feedback_router)
     app.include_router(admin_router)
     app.include_router(playground_router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
@@ -110,6 +123,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.state.admin_sha256 = hash_key(admin_key) if admin_key else config.server.state.admin_sha256
     app.state.admission = Admission()
     app.state.key_state = key_state(config)
+    app.state.feedback = request_book(config.server.feedback, config.server.state)
     app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission,
                        state=app.state.key_state)  # outermost
     return app

@@ -47,6 +47,8 @@ def find_ensemble(request: Request, req: AsksModel) -> Ensemble | None:
         where = ".".join(str(p) for p in err["loc"])
         raise InvalidRequest(f"Invalid 'ensemble' object: {where or 'ensemble'}: {err['msg']}.",
                              param="ensemble" + (f".{where}" if where else "")) from None
+    if base is not None and set(req.ensemble) <= {"trace"}:  # the same ensemble, its trace asked for: no rebuild
+        return Ensemble(spec, base.strategy)  # (an online router's learned state lives in its strategy)
     return Ensemble.build(spec, request.app.state.engines, name=req.model if base is not None else None)
 
 
@@ -72,7 +74,9 @@ def charge_members(request: Request, call: Call) -> None:
             out[model] = (p + u.prompt_tokens, c + u.completion_tokens)
         return out
 
-    served_of(request).member_usage = used
+    served = served_of(request)
+    served.member_usage = used
+    served.decision = lambda: call.decision  # an online router's, for feedback (server/feedback.py)
 
 
 def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:

@@ -32,6 +32,8 @@ class Served:
     usage: dict[str, int] = field(default_factory=dict)  #: tokens used, once settled
     #: an ensemble's usage per member model (the key is charged per model it used), read when it is settled
     member_usage: Callable[[], dict[str, tuple[int, int]]] | None = None
+    #: what an online router decided for it (kept for feedback, server/feedback.py), read when it is settled
+    decision: Callable[[], dict[str, Any] | None] | None = None
 
 
 def engines(request: Request) -> dict[str, Engine]:

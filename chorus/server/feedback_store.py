@@ -1,0 +1,179 @@
+"""What feedback is joined to: every answered request's record, kept by its request id for ``feedback.keep_s``,
+and the online routers' outcome logs (ensembles/routers/outcomes.py).
+
+A record: the key that made the request, the model (or ensemble) that answered, its tokens and cost (the config's
+prices), when, and the decision an online router made for it (arm, features, propensity). It is written once
+the request's usage is known (``settle``), and marked per metric when feedback comes, so a second feedback on the
+same metric is refused rather than learned twice.
+
+Two stores, chosen by ``server.state.store`` as the key state is. `MemoryBook`: this process (bounded by
+``feedback.max_requests`` and by age). `RedisBook`: Redis, shared by every replica: ``PREFIX:fb:req:ID`` (the record,
+expiring after ``keep_s``; written only if absent, so a reused request id cannot take over another request's
+record), ``PREFIX:fb:got:ID`` (metrics with feedback, a hash), and ``PREFIX:online:ENSEMBLE`` (a stream: the outcome log,
+trimmed to about ``max_events``). Records are written from a buffer by a background task, so a request never
+waits on Redis; one that cannot be written is counted (``chorus_feedback_records_lost_total``) and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from prometheus_client import Counter
+
+from chorus.config import FeedbackSection, StateSection
+from chorus.ensembles.routers.outcomes import MemoryOutcomes, Outcomes
+
+log = logging.getLogger("chorus.feedback")
+KEPT = Counter("chorus_feedback_records_total", "answered requests kept for feedback")
+LOST = Counter("chorus_feedback_records_lost_total", "answered requests that could not be kept for feedback")
+
+
+class RequestBook(Protocol):
+    outcomes: Outcomes
+
+    def remember(self, request_id: str, record: dict[str, Any]) -> None: ...
+
+    async def recall(self, request_id: str) -> dict[str, Any] | None: ...
+
+    async def mark(self, request_id: str, metric: str, value: float) -> bool:
+        """Note feedback on ``metric``; False if the request already had some."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryBook:
+    def __init__(self, section: FeedbackSection) -> None:
+        self.section = section
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.outcomes: Outcomes = MemoryOutcomes(section.max_events)
+
+    def _evict(self, now: float) -> None:
+        while self.records and (len(self.records) > self.section.max_requests
+                                or next(iter(self.records.values()))["t"] < now - self.section.keep_s):
+            self.records.popitem(last=False)
+
+    def remember(self, request_id: str, record: dict[str, Any]) -> None:
+        if request_id not in self.records:  # the first request under an id keeps it
+            self.records[request_id] = {**record, "feedback": {}}
+            KEPT.inc()
+        self._evict(record["t"])
+
+    async def recall(self, request_id: str) -> dict[str, Any] | None:
+        self._evict(time.time())
+        return self.records.get(request_id)
+
+    async def mark(self, request_id: str, metric: str, value: float) -> bool:
+        got = self.records[request_id]["feedback"]
+        if metric in got:
+            return False
+        got[metric] = value
+        return True
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+class RedisOutcomes:
+    def __init__(self, redis: Any, prefix: str, max_events: int) -> None:
+        self.redis, self.prefix, self.max_events = redis, prefix, max_events
+
+    def key(self, ensemble: str) -> str:
+        return f"{self.prefix}:online:{ensemble}"
+
+    async def append(self, ensemble: str, event: dict[str, Any]) -> None:
+        await self.redis.xadd(self.key(ensemble), {"e": json.dumps(event)}, maxlen=self.max_events,
+                              approximate=True)
+
+    async def read(self, ensemble: str, after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        out: list[dict[str, Any]] = []
+        cursor = after
+        while True:
+            rows = await self.redis.xrange(self.key(ensemble), min=f"({cursor}" if cursor else "-", max="+",
+                                           count=5000)
+            if not rows:
+                return out, cursor
+            out.extend(json.loads(fields["e"]) for _, fields in rows)
+            cursor = rows[-1][0]
+
+
+class RedisBook:
+    def __init__(self, section: FeedbackSection, state: StateSection) -> None:
+        import redis.asyncio as aioredis
+
+        self.section, self.prefix = section, state.key_prefix
+        self.redis = aioredis.Redis.from_url(state.store, socket_timeout=max(state.timeout_s, 2.0),
+                                             socket_connect_timeout=state.timeout_s, decode_responses=True)
+        self.outcomes: Outcomes = RedisOutcomes(self.redis, self.prefix, section.max_events)
+        self.pending: dict[str, dict[str, Any]] = {}  # written by the drain task
+        self._wake = asyncio.Event()
+        self._drain: asyncio.Task[None] | None = None
+
+    def k(self, what: str, request_id: str) -> str:
+        return f"{self.prefix}:fb:{what}:{request_id}"
+
+    def remember(self, request_id: str, record: dict[str, Any]) -> None:
+        self.pending.setdefault(request_id, record)
+        self._wake.set()
+
+    async def _write(self) -> None:
+        batch, self.pending = self.pending, {}
+        ttl = max(1, int(self.section.keep_s))
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, record in batch.items():
+                    pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
+                await pipe.execute()
+            KEPT.inc(len(batch))
+        except Exception as exc:
+            LOST.inc(len(batch))
+            log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.pending:
+                await self._write()
+
+    async def recall(self, request_id: str) -> dict[str, Any] | None:
+        if request_id in self.pending:
+            await self._write()
+        raw = await self.redis.get(self.k("req", request_id))
+        return None if raw is None else json.loads(raw)
+
+    async def mark(self, request_id: str, metric: str, value: float) -> bool:
+        key = self.k("got", request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(key, metric, value)
+            pipe.expire(key, max(1, int(self.section.keep_s)))
+            fresh, _ = await pipe.execute()
+        return bool(fresh)
+
+    async def start(self) -> None:
+        self._drain = asyncio.create_task(self._run())
+
+    async def aclose(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+            await asyncio.gather(self._drain, return_exceptions=True)
+        if self.pending:
+            await self._write()
+        await self.redis.aclose()
+
+
+def request_book(section: FeedbackSection, state: StateSection) -> RequestBook:
+    """The store the config names (``server.state.store``): this process, or Redis."""
+    if state.store == "memory":
+        return MemoryBook(section)
+    return RedisBook(section, state)
