@@ -101,6 +101,13 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.selector:add_arguments",
         config=False,
     ),
+    ("bench", "online"): Command(
+        "the online router replayed on logged outcomes (GSM8K arms, the addition set): accuracy and cost after "
+        "N requests against every arm, the best fixed arm, the offline router, random and the oracle; regret curves",
+        "chorus.bench.online:run",
+        "chorus.bench.online:add_arguments",
+        config=False,
+    ),
     ("eval",): Command(
         "accuracy of models and ensembles on a JSONL dataset, side by side",
         "chorus.clients.eval:main",

@@ -109,6 +109,10 @@ def wrk(url: str, body: dict[str, object], connections: int, seconds: int, tmp: 
 def main(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         sys.exit("chorus bench gateway: needs wrk (apt-get install wrk)")
+    if args.feedback:
+        from chorus.clients import bench_feedback
+
+        return bench_feedback.run(args.feedback, args.tokenizer, args.seconds, args.rounds, args.connections)
     tok = args.tokenizer
     up_port, gw_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
@@ -197,5 +201,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="runs per cell, interleaved; the best is reported")
     p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")
     p.add_argument("--litellm", help="the LiteLLM proxy's `litellm` command (default: on PATH; not measured if absent)")
+    p.add_argument("--feedback", metavar="REDIS_URL",
+                   help="measure the feedback path instead: two replicas on this Redis, with and without feedback "
+                        "on every request (clients/bench_feedback.py)")
+    p.add_argument("--connections", type=int, default=16, help="--feedback: wrk connections per replica")
     p.add_argument("--redis", help="a Redis URL: one more chorus process counting the same key's limits there "
                    "(server.state.store), for the shared limiter's cost per request")

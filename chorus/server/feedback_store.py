@@ -116,6 +116,8 @@ class RedisBook:
                                              socket_connect_timeout=state.timeout_s, decode_responses=True)
         self.outcomes: Outcomes = RedisOutcomes(self.redis, self.prefix, section.max_events)
         self.pending: dict[str, dict[str, Any]] = {}  # written by the drain task
+        self.writing: dict[str, dict[str, Any]] = {}  # the batch being written now
+        self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
 
@@ -127,17 +129,23 @@ class RedisBook:
         self._wake.set()
 
     async def _write(self) -> None:
-        batch, self.pending = self.pending, {}
-        ttl = max(1, int(self.section.keep_s))
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for rid, record in batch.items():
-                    pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
-                await pipe.execute()
-            KEPT.inc(len(batch))
-        except Exception as exc:
-            LOST.inc(len(batch))
-            log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
+        async with self._lock:  # one write at a time: a recall waits for the one holding its record
+            batch, self.pending = self.pending, {}
+            if not batch:
+                return
+            self.writing = batch
+            ttl = max(1, int(self.section.keep_s))
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for rid, record in batch.items():
+                        pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
+                    await pipe.execute()
+                KEPT.inc(len(batch))
+            except Exception as exc:
+                LOST.inc(len(batch))
+                log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
+            finally:
+                self.writing = {}
 
     async def _run(self) -> None:
         while True:
@@ -147,8 +155,9 @@ class RedisBook:
                 await self._write()
 
     async def recall(self, request_id: str) -> dict[str, Any] | None:
-        if request_id in self.pending:
-            await self._write()
+        local = self.pending.get(request_id) or self.writing.get(request_id)
+        if local is not None:  # this replica answered it a moment ago and has not written it yet
+            return local
         raw = await self.redis.get(self.k("req", request_id))
         return None if raw is None else json.loads(raw)
 

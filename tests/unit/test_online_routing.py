@@ -47,7 +47,7 @@ def run_policy(policy: OnlinePolicy, steps: int, best_of: Any, seed: int = 0) ->
 
 
 def test_the_policy_finds_the_best_arm_of_each_cluster_after_its_safe_start() -> None:
-    policy = OnlinePolicy(3, 33, PolicyParams(warmup=30, explore_floor=0.02), default=0)
+    policy = OnlinePolicy(3, 33, PolicyParams(warmup=30, explore=0.2, explore_floor=0.02), default=0)
     hits = run_policy(policy, 1200, lambda t, c: c)  # cluster c's best arm is arm c
     assert np.mean(hits[:30]) < 0.5  # the safe start plays the default arm (right on a third of the prompts)
     assert np.mean(hits[-300:]) > 0.9

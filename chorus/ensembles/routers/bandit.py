@@ -1,9 +1,10 @@
 """The online router's learner: a contextual bandit over the prompt's embedding (``router: online``, and the replay
 bench, which runs this same code).
 
-Features: the prompt's MiniLM embedding (384 numbers, unit length) times a fixed random projection to ``dims``
-numbers (a seeded Gaussian matrix, the same in every replica: Johnson-Lindenstrauss keeps distances), and a
-constant 1. Model: one ridge regression per arm from features to reward (LinUCB's disjoint model, Li et al.
+Features: the prompt's MiniLM embedding (384 numbers, unit length; with ``dims`` > 0, times a fixed random
+projection to ``dims`` numbers, a seeded Gaussian matrix, the same in every replica, for a smaller model and log
+entries), and a constant 1. The replay on logged outcomes (`chorus bench online`) chose the whole embedding: the
+projection to 32 or 64 lost accuracy on prompts that differ only late (few-shot sums). Model: one ridge regression per arm from features to reward (LinUCB's disjoint model, Li et al.
 2010): ``A = ridge * I + sum x x^T``, ``b = sum reward * x``, predicted reward ``theta . x`` with ``theta = A^-1 b``
 and an upper-confidence bonus ``alpha * sqrt(x^T A^-1 x)``. With ``discount`` < 1 an arm's old evidence fades each
 time it learns (``A <- discount * A + x x^T``), so rewards that drift are followed.
@@ -76,10 +77,12 @@ class LinearArm:
 
 @dataclass(frozen=True)
 class PolicyParams:
-    alpha: float = 0.1  #: the confidence bonus's weight
+    """The defaults are the replay's choice on the training splits (`chorus bench online`, docs/evidence.md)."""
+
+    alpha: float = 0.3  #: the confidence bonus's weight
     ridge: float = 1.0
     discount: float = 1.0  #: 1: every feedback counts for ever; < 1: old ones fade (drifting rewards)
-    explore: float = 0.2  #: the exploration rate at the start of learning
+    explore: float = 0.1  #: the exploration rate at the start of learning
     explore_half_life: float = 200.0  #: feedbacks after which it has halved
     explore_floor: float = 0.02  #: it never falls below this
     warmup: int = 30  #: feedbacks before the model chooses (until then the default arm answers)

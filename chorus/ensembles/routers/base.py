@@ -55,8 +55,8 @@ class RouteParams(BaseModel):
     cost_weight: float | None = Field(default=None, ge=0.0, description="online: reward minus this x cost (0)")
     cost: Literal["tokens", "price"] | None = Field(
         default=None, description="online: cost in thousands of tokens, or by the config's prices (tokens)")
-    alpha: float | None = Field(default=None, ge=0.0, description="online: confidence bonus weight (0.1)")
-    explore: float | None = Field(default=None, ge=0.0, le=1.0, description="online: first exploration rate (0.2)")
+    alpha: float | None = Field(default=None, ge=0.0, description="online: confidence bonus weight (0.3)")
+    explore: float | None = Field(default=None, ge=0.0, le=1.0, description="online: first exploration rate (0.1)")
     explore_half_life: float | None = Field(default=None, gt=0.0,
                                             description="online: feedbacks until exploration halves (200)")
     explore_floor: float | None = Field(default=None, ge=0.0, le=1.0,
@@ -65,7 +65,7 @@ class RouteParams(BaseModel):
     discount: float | None = Field(default=None, gt=0.0, le=1.0,
                                    description="online: weight kept by old evidence per update (1: all)")
     dims: int | None = Field(default=None, ge=0, le=384,
-                             description="online: embedding projected to this many numbers (32; 0: all 384)")
+                             description="online: embedding projected to this many numbers (0: all 384)")
 
     @field_validator("thresholds")
     @classmethod

@@ -66,7 +66,7 @@ class OnlineRouter(Router):
             raise InvalidRequest(f"'default' {params.default!r} is not an arm; arms: {', '.join(self.labels)}.",
                                  param="ensemble.default")
         self.default = self.labels.index(params.default) if params.default else 0
-        self.proj = projection(32 if params.dims is None else params.dims)
+        self.proj = projection(params.dims or 0)
         dims = (self.proj.shape[1] if self.proj is not None else 384) + 1
         self.policy = OnlinePolicy(len(self.labels), dims, policy_params(params), self.default)
         self.cost_weight = params.cost_weight or 0.0
