@@ -53,6 +53,7 @@ NO_MODEL = {
     ("get", "/chorus/v2/sessions"): "the session store's stats",
     ("get", "/v1/responses/{rid}"): "a stored response, by its owner",
     ("delete", "/v1/responses/{rid}"): "a stored response, by its owner",
+    ("post", "/v1/feedback"): "feedback on a request, by the key that made it",
     ("get", "/admin/keys/{name}"): "an admin route",
     ("delete", "/admin/models/{name}/prefix-cache"): "an admin route (drops a model's prefix cache)",
 }
