@@ -45,8 +45,8 @@ def keep(request: Request, tokens: int, price: float) -> None:
     """Keep this answered request for feedback (from ``settle``, once its usage is known)."""
     book = getattr(request.app.state, "feedback", None)
     rid = getattr(request.state, "request_id", None)
-    if book is None or rid is None:
-        return
+    if book is None or rid is None or not request.app.state.config.server.feedback.metrics:
+        return  # (no metric declared: no feedback can come, nothing is kept)
     served = served_of(request)
     principal = getattr(request.state, "principal", None)
     decision = served.decision() if isinstance(served, Served) and served.decision is not None else None

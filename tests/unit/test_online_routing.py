@@ -7,6 +7,7 @@ other's feedback, and the state surviving a restart."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,17 @@ def test_feedback_is_joined_to_the_decision_and_learned(server: LiveServer) -> N
     _, trace = traced(server, "What is 6*7?")
     assert trace["learned"] >= 1 and trace["phase"] == "learned" and set(trace["scores"]) == {"a42", "c7", "vote"}
     assert trace["explored"] is False and trace["propensity"] == 1.0
+    # streamed: the decision is kept when the stream ends, and the SDK reads the id from the same header
+    with sdk(server).chat.completions.with_streaming_response.create(
+            model="online", messages=[{"role": "user", "content": "What is 6*7?"}], max_tokens=16, temperature=0,
+            stream=True) as streamed:
+        text = "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)
+        sid = streamed.request_id
+    assert text and give(server, {"request_id": sid, "metric": "correct", "value": False}).json()["learned_by"]
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert re.search(r'chorus_online_decisions_total\{arm="[^"]+",ensemble="online",explored="false",phase="learned"\}',
+                     metrics)
+    assert 'chorus_online_feedback_total{' in metrics and "chorus_online_reward_count{" in metrics
     # feedback on a single model's request is kept too (not learned by anything)
     plain = sdk(server).chat.completions.with_raw_response.create(
         model="a42", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
@@ -171,6 +183,19 @@ def test_a_second_feedback_on_one_metric_is_a_409(server: LiveServer) -> None:
     assert give(server, {"request_id": rid, "metric": "correct", "value": True}).status_code == 200
     r = give(server, {"request_id": rid, "metric": "correct", "value": False})
     assert r.status_code == 409 and r.json()["error"]["code"] == "feedback_exists"
+
+
+def test_a_request_older_than_keep_s_cannot_get_feedback() -> None:
+    cfg = served_config()
+    cfg["server"]["feedback"]["keep_s"] = 0.5
+    with gateway(ChorusConfig.model_validate(cfg), engines()) as srv:
+        rid = sdk(srv).chat.completions.with_raw_response.create(
+            model="a42", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0).request_id
+        import time
+
+        time.sleep(1.0)
+        r = give(srv, {"request_id": rid, "metric": "correct", "value": True})
+    assert r.status_code == 404 and "older than 0.5 s" in r.json()["error"]["message"], r.text
 
 
 def test_an_arm_that_is_an_ensemble_answers_as_that_ensemble() -> None:

@@ -128,7 +128,7 @@ class OnlineRouter(Router):
         DECISIONS.labels(self.name, arm, d.phase, str(d.explored).lower()).inc()
         call.decision = {"ensemble": self.name, "router": "online", "arm": arm, "metric": self.params.metric,
                          "propensity": round(d.propensity, 6), "explored": d.explored,
-                         "x": [round(float(v), 5) for v in x]}
+                         "x": [round(float(v), 4) for v in x]}
         why = {"arm": arm, "phase": d.phase, "explored": d.explored, "propensity": round(d.propensity, 4),
                "scores": None if d.scores is None else dict(zip(self.labels, d.scores)),
                **self.policy.describe(),
