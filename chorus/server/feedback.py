@@ -5,7 +5,8 @@ Body: ``request_id``, ``metric`` (one of ``server.feedback.metrics``), ``value``
 metric, a number for a number metric, within its ``min``/``max`` when given). From the key that made the request
 (any replica: the records are in the shared state store). Refused, each naming the field: an undeclared metric or
 a value of the wrong type (400), another key's request (403), an id that is unknown or older than
-``feedback.keep_s`` (404), a second feedback on the same metric for one request (409). When an online router
+``feedback.keep_s`` (404), a second feedback on the same metric for one request (409), the shared state store
+(Redis) out of reach (503 with ``Retry-After``; nothing is marked, so the same feedback can be sent again). When an online router
 decided the request and learns from that metric, it learns the reward (``learned_by`` in the reply names it).
 """
 
@@ -19,7 +20,14 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from chorus.config import FeedbackMetric
-from chorus.errors import FeedbackExists, InvalidRequest, PermissionDenied, RequestNotFound
+from chorus.errors import (
+    FeedbackExists,
+    GatewayError,
+    InvalidRequest,
+    PermissionDenied,
+    RequestNotFound,
+    StoreUnavailable,
+)
 from chorus.server.replies import json_response
 
 router = APIRouter()
@@ -63,6 +71,20 @@ def checked_value(metric: FeedbackMetric, value: bool | float) -> float:
 async def feedback(request: Request, body: FeedbackRequest) -> Response:
     metric = declared(request, body.metric)
     value = checked_value(metric, body.value)
+    try:
+        return await join(request, body, metric, value)
+    except Exception as exc:
+        from chorus.server.redis_state import is_outage
+
+        if not isinstance(exc, GatewayError) and is_outage(exc):
+            FEEDBACK.labels(metric.name, "store_unavailable").inc()
+            raise StoreUnavailable("The shared state store (Redis) cannot be reached, so this feedback cannot be "
+                                   "joined to its request now; retry shortly.", retry_after=1.0) from exc
+        raise
+
+
+async def join(request: Request, body: FeedbackRequest, metric: FeedbackMetric, value: float) -> Response:
+    """Find the request, check its key, mark the metric (once), and let an online router that decided it learn."""
     book = request.app.state.feedback
     record = await book.recall(body.request_id)
     keep_s = request.app.state.config.server.feedback.keep_s
@@ -83,10 +105,13 @@ async def feedback(request: Request, body: FeedbackRequest) -> Response:
     decision: dict[str, Any] | None = record.get("decision")
     if decision is not None:
         ensemble = request.app.state.ensembles.get(decision.get("ensemble"))
-        if (ensemble is not None and ensemble.strategy.feedback_metric() == metric.name
-                and await ensemble.strategy.learn(decision, metric.quality(value), record["tokens"],
-                                                  record["price"])):
-            learned_by = decision["ensemble"]
+        if ensemble is not None and ensemble.strategy.feedback_metric() == metric.name:
+            try:
+                if await ensemble.strategy.learn(decision, metric.quality(value), record["tokens"], record["price"]):
+                    learned_by = decision["ensemble"]
+            except BaseException:
+                await book.unmark(body.request_id, metric.name)  # not learned: the client may send it again
+                raise
     FEEDBACK.labels(metric.name, "accepted").inc()
     return json_response({"object": "feedback", "request_id": body.request_id, "metric": metric.name,
                           "value": body.value, "model": record["model"], "learned_by": learned_by,

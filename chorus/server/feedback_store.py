@@ -44,6 +44,10 @@ class RequestBook(Protocol):
         """Note feedback on ``metric``; False if the request already had some."""
         ...
 
+    async def unmark(self, request_id: str, metric: str) -> None:
+        """Forget that mark (its feedback could not be learned); best effort."""
+        ...
+
     async def start(self) -> None: ...
 
     async def aclose(self) -> None: ...
@@ -71,11 +75,17 @@ class MemoryBook:
         return self.records.get(request_id)
 
     async def mark(self, request_id: str, metric: str, value: float) -> bool:
-        got = self.records[request_id]["feedback"]
+        record = self.records.get(request_id)
+        got = record["feedback"] if record is not None else {}
         if metric in got:
             return False
         got[metric] = value
         return True
+
+    async def unmark(self, request_id: str, metric: str) -> None:
+        record = self.records.get(request_id)
+        if record is not None:
+            record["feedback"].pop(metric, None)
 
     async def start(self) -> None:
         pass
@@ -168,6 +178,12 @@ class RedisBook:
             pipe.expire(key, max(1, int(self.section.keep_s)))
             fresh, _ = await pipe.execute()
         return bool(fresh)
+
+    async def unmark(self, request_id: str, metric: str) -> None:
+        try:
+            await self.redis.hdel(self.k("got", request_id), metric)
+        except Exception as exc:
+            log.warning("feedback: could not unmark %s on %s: %s", metric, request_id, exc)
 
     async def start(self) -> None:
         self._drain = asyncio.create_task(self._run())

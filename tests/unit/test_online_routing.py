@@ -271,3 +271,20 @@ def test_replicas_join_feedback_across_each_other_and_the_state_survives_a_resta
         assert chat(a, "q").json()["ensemble"]["learned"] == chat(b, "q").json()["ensemble"]["learned"] == 6
     with serve(redis_config(redis_server.url), tmp_path, n=1) as (c,):  # a restart reads the log back
         assert chat(c, "q").json()["ensemble"]["learned"] == 6
+
+
+def test_feedback_without_its_store_is_a_503_to_retry() -> None:
+    """Redis out of reach (fail_open: requests are still served): feedback cannot be joined, 503 + Retry-After."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = served_config()
+    cfg["server"]["state"] = {"store": f"redis://127.0.0.1:{dead}/0", "timeout_s": 0.2}
+    with gateway(ChorusConfig.model_validate(cfg), engines()) as srv:
+        rid = sdk(srv).chat.completions.with_raw_response.create(
+            model="a42", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0).request_id
+        r = give(srv, {"request_id": rid, "metric": "correct", "value": True})
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert r.json()["error"]["code"] == "state_store_unavailable" and "retry" in r.json()["error"]["message"]
