@@ -274,7 +274,8 @@ def test_replicas_join_feedback_across_each_other_and_the_state_survives_a_resta
 
 
 def test_feedback_without_its_store_is_a_503_to_retry() -> None:
-    """Redis out of reach (fail_open: requests are still served): feedback cannot be joined, 503 + Retry-After."""
+    """Redis out of reach (fail_open: requests are still served, an online router's too): feedback cannot be
+    joined, 503 + Retry-After."""
     import socket
 
     with socket.socket() as s:
@@ -286,5 +287,8 @@ def test_feedback_without_its_store_is_a_503_to_retry() -> None:
         rid = sdk(srv).chat.completions.with_raw_response.create(
             model="a42", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0).request_id
         r = give(srv, {"request_id": rid, "metric": "correct", "value": True})
+        # the online router cannot read its log: it routes with what it has learned (nothing: the safe start)
+        _, trace = traced(srv, "What is 6*7?")
+    assert trace["phase"] == "safe start" and trace["learned"] == 0
     assert r.status_code == 503 and r.headers["retry-after"], r.text
     assert r.json()["error"]["code"] == "state_store_unavailable" and "retry" in r.json()["error"]["message"]

@@ -9,13 +9,16 @@ it with the request id, and ``POST /v1/feedback`` on ``metric`` for that request
 value minus ``cost_weight`` x the request's cost) appended to the log. The trace shows the arm, every arm's
 score and whether it explored; Prometheus counts decisions, explorations, feedbacks and rewards per arm.
 
-Learning across requests needs a name: an online router is served from the config only (a request body cannot
+A restarted gateway learns the whole log at start-up (`warm`), before its first request; if the log cannot be
+read (Redis out of reach), a request is routed with what was learned so far. Learning across requests needs a
+name: an online router is served from the config only (a request body cannot
 give one, or change a named one: it would start from nothing each time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ from chorus.errors import ConfigError, InvalidRequest
 if TYPE_CHECKING:
     from chorus.ensembles.base import Ensemble
 
+log = logging.getLogger("chorus.online")
 DECISIONS = Counter("chorus_online_decisions_total", "requests an online router sent to each arm",
                     ["ensemble", "arm", "phase", "explored"])
 FEEDBACKS = Counter("chorus_online_feedback_total", "feedbacks an online router learned from, per arm",
@@ -106,11 +110,22 @@ class OnlineRouter(Router):
     def feedback_metric(self) -> str | None:
         return self.params.metric
 
+    async def warm(self) -> None:
+        """At start-up (named ensembles, once bound): learn the whole shared log before the first request."""
+        if self.outcomes is not None:
+            await self.catch_up()
+
     async def catch_up(self) -> None:
-        """Learn the events appended to the shared log since the last look (by any replica)."""
+        """Learn the events appended to the shared log since the last look (by any replica). If the log cannot be
+        read (Redis out of reach), it chooses with what it has learned so far and says so in the log."""
         assert self.outcomes is not None and self.name is not None
         async with self._sync:
-            events, self.cursor = await self.outcomes.read(self.name, self.cursor)
+            try:
+                events, self.cursor = await self.outcomes.read(self.name, self.cursor)
+            except Exception as exc:
+                log.warning("online router %s: the outcome log cannot be read (%s); choosing with what it has "
+                            "learned", self.name, exc)
+                return
             for e in events:
                 if e.get("arm") in self.labels:  # an arm since removed from the config is skipped
                     self.policy.learn(self.labels.index(e["arm"]), np.asarray(e["x"]), float(e["reward"]))
