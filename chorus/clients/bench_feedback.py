@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from chorus.clients.local import free_port, markdown_table, wait_ready
+from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
 
 ADMIN = "bench-admin"
 MODES = ("without", "records kept, no feedback sent", "feedback on every request")
@@ -125,11 +125,11 @@ def run(redis_url: str, tokenizer: str, seconds: int, rounds: int, connections: 
                     accepted = sum(metric(u, "chorus_feedback_total", 'metric="ok",outcome="accepted"') for u in urls)
                     got.update({"accepted": accepted, "window": window(urls[0]), "window_b": window(urls[1])})
                     results[mode].append(got)
-                    stop(procs[1:])
+                    stop_all(procs[1:])
                     del procs[1:]
                     print(f"round {r + 1} {mode}: {json.dumps(got)}", file=sys.stderr, flush=True)
         finally:
-            stop(procs)
+            stop_all(procs)
     base = None
     for mode, runs in results.items():
         best = max(runs, key=lambda x: x["chats"])
@@ -170,13 +170,3 @@ def replicas(tmp: Path, mode: str, redis_url: str, upstream: str, tokenizer: str
         urls.append(f"http://127.0.0.1:{port}")
         wait_ready(urls[-1] + "/health", procs[-1])
     return urls
-
-
-def stop(procs: list[subprocess.Popen[Any]]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chorus.clients.local import free_port, markdown_table, wait_ready
+from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
 
 COMPLETION = json.dumps({
     "id": "cmpl-mock", "object": "chat.completion", "created": 0, "model": "mock",
@@ -174,13 +174,7 @@ def main(args: argparse.Namespace) -> int:
                                      f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['p50'] - base['p50']:+.2f}",
                                      f"{int(sum(x['non2xx'] for x in results))}"])
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(procs)
     header = ["mode", "conc.", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "non-2xx"]
     print(f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per run, best of {args.rounds} interleaved "
           "rounds per cell, mock upstream on 127.0.0.1")

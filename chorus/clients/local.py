@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
@@ -39,3 +40,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
+
+
+def stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float = 20) -> None:
+    """SIGTERM every process, then wait for each (killed if it has not exited within ``grace`` seconds)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
