@@ -170,15 +170,13 @@ class Strategy:
     async def warm(self) -> None:
         """Slow one-off preparation (e.g. embedding examples); the server runs it at start-up for named ensembles."""
 
-    #: learns from feedback across requests (an online router): served named only, bound at start-up
-    learns_online: ClassVar[bool] = False
-
     def bind(self, named: dict[str, Ensemble], outcomes: Any) -> None:
         """A named ensemble at start-up: the other named ensembles (arms of an online router) and the shared
         outcome log (routers/outcomes.py)."""
 
     def feedback_metric(self) -> str | None:
-        """The feedback metric this ensemble learns from (None: it learns nothing)."""
+        """The feedback metric this ensemble learns from across requests (None: it learns nothing); one that learns
+        is served named only and bound at start-up."""
         return None
 
     async def learn(self, decision: dict[str, Any], quality: float, tokens: int, price: float) -> bool:

@@ -39,10 +39,6 @@ class Route(Strategy):
             raise InvalidRequest(f"router: {self.params.router} learns across requests: serve it as a named "
                                  "ensemble in the config (a request body cannot give one).", param="ensemble.router")
 
-    @property
-    def learns_online(self) -> bool:  # type: ignore[override]
-        return self.router.learns_online
-
     def bind(self, named: dict[str, Ensemble], outcomes: Any) -> None:
         self.router.bind(self.ensemble, named, outcomes)
 

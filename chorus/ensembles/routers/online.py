@@ -102,7 +102,7 @@ class OnlineRouter(Router):
             if target is None:
                 raise ConfigError(f"ensemble {ensemble!r}: online arm {e!r} is not a named ensemble; named: "
                                   f"{', '.join(sorted(n for n in named if n != ensemble)) or 'none'}")
-            if e == ensemble or getattr(target.strategy, "learns_online", False):
+            if e == ensemble or target.strategy.feedback_metric() is not None:
                 raise ConfigError(f"ensemble {ensemble!r}: online arm {e!r} is itself an online router")
             self.arms.append(target)
         self.name, self.outcomes = ensemble, outcomes
