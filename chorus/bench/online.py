@@ -20,6 +20,7 @@ many more requests), which flatters any learner that can recognise an item, and 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import random
@@ -48,15 +49,18 @@ class Table:
     right: np.ndarray
     cost: np.ndarray
 
+    def first(self, k: int) -> Table:
+        """The same items with the first ``k`` arms only."""
+        return Table(self.name, self.arms[:k], self.prompts, self.right[:, :k], self.cost[:, :k])
+
     def __add__(self, other: Table) -> Table:
         assert self.arms == other.arms
         return Table(f"{self.name} + {other.name}", self.arms, self.prompts + other.prompts,
                      np.vstack([self.right, other.right]), np.vstack([self.cost, other.cost]))
 
 
-def gsm8k_arms(prices: dict[str, float], tau: float, greedy_only: bool = False
-               ) -> list[tuple[str, Callable[[Item], tuple[bool, float]]]]:
-    """The GSM8K arms: (label, item -> (right, cost))."""
+def gsm8k_arms(prices: dict[str, float], tau: float) -> list[tuple[str, Callable[[Item], tuple[bool, float]]]]:
+    """The GSM8K arms: (label, item -> (right, cost)); the two greedy ones first."""
     def greedy(m: str) -> Callable[[Item], tuple[bool, float]]:
         return lambda it: (same(it.greedy[m].answers[0], it.reference), it.greedy[m].tokens * prices[m] / 1e6)
 
@@ -74,18 +78,14 @@ def gsm8k_arms(prices: dict[str, float], tau: float, greedy_only: bool = False
         b, t2, _ = first(it, LARGE, 4)
         return same(majority(b), it.reference), (t1 * prices[SMALL] + t2 * prices[LARGE]) / 1e6
 
-    arms = [("0.5B greedy", greedy(SMALL)), ("1.5B greedy", greedy(LARGE))]
-    if not greedy_only:
-        arms += [("0.5B vote k=8", sc(SMALL, 8)), ("1.5B vote k=4", sc(LARGE, 4)),
-                 (f"cascade 0.5B k=8 -> 1.5B k=4 (tau {tau:g})", cascade)]
-    return arms
+    return [("0.5B greedy", greedy(SMALL)), ("1.5B greedy", greedy(LARGE)), ("0.5B vote k=8", sc(SMALL, 8)),
+            ("1.5B vote k=4", sc(LARGE, 4)), (f"cascade 0.5B k=8 -> 1.5B k=4 (tau {tau:g})", cascade)]
 
 
-def gsm8k_table(cache: Path, data: Path, split: str, prices: dict[str, float], tau: float,
-                greedy_only: bool = False) -> Table:
+def gsm8k_table(cache: Path, data: Path, split: str, prices: dict[str, float], tau: float) -> Table:
     items = complete(load(cache, split, [SMALL, LARGE]), {SMALL: 8, LARGE: 4})
     questions = [json.loads(line)["question"] for line in (data / f"{split}.jsonl").read_text().splitlines()]
-    arms = gsm8k_arms(prices, tau, greedy_only)
+    arms = gsm8k_arms(prices, tau)
     rows = [[arm(items[i]) for _, arm in arms] for i in sorted(items)]
     return Table(f"GSM8K {split}", [a for a, _ in arms], [questions[i] for i in sorted(items)],
                  np.array([[r for r, _ in row] for row in rows], dtype=float),
@@ -119,6 +119,12 @@ class Run:
     right: np.ndarray  # (seeds, requests)
     cost: np.ndarray
     explored: np.ndarray | None = None
+
+
+@functools.cache
+def embedded(prompts: tuple[str, ...], dims: int) -> np.ndarray:
+    """(Cached: every cost weight of an environment replays the same prompts.)"""
+    return embed(list(prompts), dims)
 
 
 def embed(prompts: list[str], dims: int) -> np.ndarray:
@@ -192,7 +198,7 @@ def tune(train: Table, x: np.ndarray, requests: int, seeds: int, after: int, def
 
 def report(name: str, train: Table, test: Table, requests: int, seeds: int, after: int, cost_weight: float,
            dims: int) -> tuple[list[str], dict[str, object]]:
-    x_train, x_test = embed(train.prompts, dims), embed(test.prompts, dims)
+    x_train, x_test = embedded(tuple(train.prompts), dims), embedded(tuple(test.prompts), dims)
     train_reward = (train.right - cost_weight * train.cost).mean(0)
     default = int(np.argmax(train_reward))  # the best arm on train: what a deployment would configure
     params, grid = tune(train, x_train, requests, min(seeds, 5), after, default, cost_weight)
@@ -296,15 +302,13 @@ def run(args: argparse.Namespace) -> int:
     out: list[str] = [f"chorus bench online (prices per million tokens: 0.5B {args.price_small:g}, 1.5B "
                       f"{args.price_large:g}; replay of logged outcomes)", ""]
     panels = []
-    envs = [("GSM8K, five arms (accuracy only)",
-             gsm8k_table(cache, data, "train", prices, args.tau), gsm8k_table(cache, data, "test", prices, args.tau),
-             0.0)]
+    g_train, g_test = (gsm8k_table(cache, data, split, prices, args.tau) for split in ("train", "test"))
+    envs = [("GSM8K, five arms (accuracy only)", g_train, g_test, 0.0)]
     if args.addition:
         a_train, a_test = addition_tables(Path(args.addition), Path(args.addition_answers), prices)
-        g_train = gsm8k_table(cache, data, "train", prices, args.tau, greedy_only=True)
-        g_test = gsm8k_table(cache, data, "test", prices, args.tau, greedy_only=True)
+        mixed_train, mixed_test = g_train.first(2) + a_train, g_test.first(2) + a_test  # the two greedy arms
         for cw in args.cost_weight or [0.0]:
-            envs.append(("GSM8K + addition mixed, two arms (cost-aware)", g_train + a_train, g_test + a_test, cw))
+            envs.append(("GSM8K + addition mixed, two arms (cost-aware)", mixed_train, mixed_test, cw))
     for name, train, test, cw in envs:
         lines, panel = report(name, train, test, args.requests, args.seeds, args.after, cw, args.dims)
         out += [*lines, ""]
