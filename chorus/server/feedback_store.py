@@ -127,7 +127,6 @@ class RedisBook:
         self.outcomes: Outcomes = RedisOutcomes(self.redis, self.prefix, section.max_events)
         self.pending: dict[str, dict[str, Any]] = {}  # written by the drain task
         self.writing: dict[str, dict[str, Any]] = {}  # the batch being written now
-        self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
 
@@ -139,23 +138,23 @@ class RedisBook:
         self._wake.set()
 
     async def _write(self) -> None:
-        async with self._lock:  # one write at a time: a recall waits for the one holding its record
-            batch, self.pending = self.pending, {}
-            if not batch:
-                return
-            self.writing = batch
-            ttl = max(1, int(self.section.keep_s))
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for rid, record in batch.items():
-                        pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
-                    await pipe.execute()
-                KEPT.inc(len(batch))
-            except Exception as exc:
-                LOST.inc(len(batch))
-                log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
-            finally:
-                self.writing = {}
+        """The pending records, in one pipeline (the drain task's, and at shutdown)."""
+        batch, self.pending = self.pending, {}
+        if not batch:
+            return
+        self.writing = batch  # recall still finds them while they are on their way
+        ttl = max(1, int(self.section.keep_s))
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, record in batch.items():
+                    pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
+                await pipe.execute()
+            KEPT.inc(len(batch))
+        except Exception as exc:
+            LOST.inc(len(batch))
+            log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
+        finally:
+            self.writing = {}
 
     async def _run(self) -> None:
         while True:
@@ -190,8 +189,10 @@ class RedisBook:
 
     async def aclose(self) -> None:
         if self._drain is not None:
+            in_flight = self.writing  # a batch the drain task was writing when cancelled: written again (SET NX)
             self._drain.cancel()
             await asyncio.gather(self._drain, return_exceptions=True)
+            self.pending = {**in_flight, **self.pending}
         if self.pending:
             await self._write()
         await self.redis.aclose()
