@@ -28,7 +28,7 @@ from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.ensembles.spec import member_weights
-from chorus.ensembles.voting import STOP_RULES, Sample, Tally, mean_logprob, ranked_samples, settled, tally
+from chorus.ensembles.voting import STOP_RULES, Sample, Tally, Unfinished, mean_logprob, ranked_samples, settled, tally
 from chorus.errors import InvalidRequest
 
 AnswerKind = Literal["number", "choice", "yes_no", "text", "auto"]
@@ -51,6 +51,8 @@ class DrawParams(BaseModel):
     text_threshold: float | None = Field(default=0.85, ge=-1, le=1, description=(
         "text answers: the embedding cosine at or above which two agree (null: normalised text only)"))
     instruction: str | None = Field(default=None, description="appended to the question (default: none)")
+    unfinished: Unfinished = Field(default="abstain", description=(
+        "samples cut at max_tokens: abstain (vote only when no sample finished) or vote"))
 
     @field_validator("answer_pattern")
     @classmethod
@@ -110,8 +112,8 @@ class Drawer:
     def trace(self, t: Tally, stopped: str) -> dict[str, Any]:
         return {"answer_type": self.kind, "answer_rule": self.rule, "samples": [
             {"member": s.member, "answer": s.answer, "canonical": s.canonical, "mean_logprob": s.mean_logprob,
-             "tokens": s.tokens, "text": s.text} for s in self.all()],
-            "histogram": dict(t.ranked()), "drawn": t.drawn, "stopped": stopped,
+             "tokens": s.tokens, "finish_reason": s.finish_reason, "text": s.text} for s in self.all()],
+            "histogram": dict(t.ranked()), "drawn": t.drawn, "abstained": t.abstained, "stopped": stopped,
             **({"text_matches": self.canon.how} if self.kind == "text" else {})}
 
 
@@ -161,7 +163,7 @@ class AnswerVote(Strategy):
             with spans.step("vote.batch", chorus__drawn=len(d.all())):
                 got = await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive))
             alive = [m for m, new in zip(alive, got) if new and len(d.samples[m.label]) < p.samples]
-            t = tally(d.all(), self.weights)
+            t = tally(d.all(), self.weights, p.unfinished)
             remaining = sum(self.weights[m.label] * (p.samples - len(d.samples[m.label])) for m in alive)
             done, stopped = settled(t, remaining, p.stop, p.confidence)
             if done:

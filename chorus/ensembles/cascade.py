@@ -28,7 +28,7 @@ from chorus.ensembles.answer_vote import Drawer, DrawParams
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
 from chorus.ensembles.metrics import CASCADE_STEPS
-from chorus.ensembles.voting import Sample, agreement, ranked_samples, tally
+from chorus.ensembles.voting import Sample, Unfinished, agreement, ranked_samples, tally
 from chorus.errors import InvalidRequest
 
 
@@ -43,6 +43,8 @@ class CascadeParams(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="agreement: sampling temperature")
     answer: Literal["number", "choice", "yes_no", "text", "auto"] = Field(
         default="text", description="agreement: what must agree")
+    unfinished: Unfinished = Field(default="abstain", description=(
+        "agreement: samples cut at max_tokens abstain (unless none finished) or vote"))
 
 
 def read_artifact(path: str, members: list[str]) -> list[float]:
@@ -62,11 +64,11 @@ def read_artifact(path: str, members: list[str]) -> list[float]:
     return thresholds
 
 
-def agreed_choice(samples: list[Sample]) -> tuple[float, Choice] | None:
+def agreed_choice(samples: list[Sample], unfinished: Unfinished = "abstain") -> tuple[float, Choice] | None:
     """Agreement and the majority answer's most likely sample, as a choice; None when nothing was drawn."""
     if not samples:
         return None
-    t = tally(samples)
+    t = tally(samples, unfinished=unfinished)
     best = ranked_samples(samples, t)[0]  # the majority's likeliest sample (the likeliest, when none answered)
     return agreement(samples, t)[0], Choice(0, best.text, [], best.finish_reason)
 
@@ -117,7 +119,7 @@ class Cascade(Strategy):
             with spans.step("cascade.step", chorus__step=i, chorus__member=m.label):
                 if p.confidence == "agreement":
                     drawn = await drawer.draw(m, p.samples)
-                    found = agreed_choice(drawn)
+                    found = agreed_choice(drawn, p.unfinished)
                 else:
                     gen = await call.generate(m, logprobs=True, top_logprobs=0, n=1)
                     found = None if gen is None else self.confidence(gen.choices)

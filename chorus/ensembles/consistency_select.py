@@ -66,7 +66,7 @@ class ConsistencySelect(Strategy):
             if not await d.draw(m, min(p.batch, left)):
                 return
             left = p.samples - len(d.samples[m.label])
-            if settled(tally(d.samples[m.label]), left, p.stop, p.confidence)[0]:
+            if settled(tally(d.samples[m.label], unfinished=p.unfinished), left, p.stop, p.confidence)[0]:
                 return
             if d.call.over_budget(f"{m.label}'s next batch"):
                 return
@@ -77,13 +77,14 @@ class ConsistencySelect(Strategy):
         drew = [m for m in self.members if d.samples.get(m.label)]
         if not drew:
             call.survivors([], self.members)  # every member failed: raises with their errors
-        tallies = {m.label: tally(d.samples[m.label]) for m in drew}
+        p = self.params
+        tallies = {m.label: tally(d.samples[m.label], unfinished=p.unfinished) for m in drew}
         stats = [(label, *agreement(d.samples[label], t)) for label, t in tallies.items()]
         label, why = choose(stats, self.accuracy)
         t = tallies[label]
         per: dict[str, Any] = {s[0]: {"agreement": s[1], "answer": s[2], "drawn": tallies[s[0]].drawn,
                                       "histogram": dict(tallies[s[0]].ranked())} for s in stats}
-        call.trace.update(d.trace(tally(d.all()), "per member"))
+        call.trace.update(d.trace(tally(d.all(), unfinished=p.unfinished), "per member"))
         call.trace.update({"members": per, "winner": {"member": label, "answer": t.winner}, "reason": why})
         for delta in choices(call, ranked_samples(d.samples[label], t)):
             yield delta

@@ -6,7 +6,10 @@ offline evidence replay call the same functions, so a table and a served request
 - `tally`: the histogram of canonical answers. The winner has the most weight (each sample counts its member's
   weight; equal weights by default, so: the most samples); a tie goes to the answer whose samples have the
   higher mean token log-probability, then to the answer seen first. Samples with no extractable answer do not
-  vote.
+  vote, and neither (``unfinished: abstain``, the default) do samples cut at ``max_tokens`` while another sample
+  finished: a cut chain of thought has not reached its answer, and its last number is mostly wrong (on GSM8K's
+  train items 4% of the 0.5B's and 12% of the 1.5B's cut samples were right, against 22% and 70% of the
+  finished ones). When every sample was cut they all vote (``unfinished: vote``: always).
 - `best_sample`: the reply a user sees: the winning answer's sample with the highest mean log-probability (its
   whole text, reasoning included).
 - Stopping rules for adaptive sampling (`settled`), checked after each batch of samples:
@@ -30,6 +33,7 @@ from scipy import stats
 
 StopRule = Literal["none", "majority", "beta"]
 STOP_RULES: tuple[str, ...] = ("none", "majority", "beta")
+Unfinished = Literal["abstain", "vote"]
 
 
 @dataclass
@@ -46,10 +50,17 @@ class Sample:
         if not self.canonical:
             self.canonical = self.answer
 
+    @property
+    def cut(self) -> bool:
+        """Stopped by ``max_tokens`` before it finished."""
+        return self.finish_reason == "length"
 
-def from_answers(answers: Sequence[str], member: str = "") -> list[Sample]:
-    """Bare extracted answers (no text, no log-probabilities) as samples: what offline replays and fits vote on."""
-    return [Sample(member, "", a) for a in answers]
+
+def from_answers(answers: Sequence[str], member: str = "", finished: Sequence[bool] | None = None) -> list[Sample]:
+    """Bare extracted answers (no text, no log-probabilities) as samples: what offline replays and fits vote on;
+    ``finished``: whether each one ended on its own (else it was cut at max_tokens; default: all finished)."""
+    done = list(finished) if finished is not None else [True] * len(answers)
+    return [Sample(member, "", a, finish_reason="stop" if f else "length") for a, f in zip(answers, done, strict=True)]
 
 
 @dataclass
@@ -57,8 +68,9 @@ class Tally:
     """The histogram of answers (canonical answer -> weight, in first-seen order) and its winner."""
 
     counts: dict[str, float] = field(default_factory=dict)
-    votes: int = 0  # samples with an answer
+    votes: int = 0  # samples that voted
     drawn: int = 0  # samples in all
+    abstained: int = 0  # samples with an answer that did not vote: cut at max_tokens while another finished
     winner: str = ""  # "" when no sample gave an answer
     tie_broken_by: str | None = None  # None, "log-probability" or "first seen"
 
@@ -74,11 +86,16 @@ def _lp(s: Sample) -> float:
     return s.mean_logprob if s.mean_logprob is not None else float("-inf")
 
 
-def tally(samples: Sequence[Sample], weights: dict[str, float] | None = None) -> Tally:
+def tally(samples: Sequence[Sample], weights: dict[str, float] | None = None,
+          unfinished: Unfinished = "abstain") -> Tally:
     t = Tally(drawn=len(samples))
     quality: dict[str, list[float]] = {}
+    skip_cut = unfinished == "abstain" and any(s.canonical and not s.cut for s in samples)
     for s in samples:
         if not s.canonical:
+            continue
+        if skip_cut and s.cut:
+            t.abstained += 1
             continue
         t.votes += 1
         t.counts[s.canonical] = t.counts.get(s.canonical, 0.0) + (weights or {}).get(s.member, 1.0)
@@ -122,7 +139,8 @@ def ranked_samples(samples: Sequence[Sample], t: Tally) -> list[Sample]:
 
 def agreement(samples: Sequence[Sample], t: Tally | None = None) -> tuple[float, str]:
     """(share of the samples that give the majority answer, that answer); (0, "") when none gave one. The share
-    is over every sample drawn: a sample with no answer counts against agreement. ``t``: their tally, if made."""
+    is over every sample drawn: a sample with no answer, or one that abstained, counts against agreement.
+    ``t``: their tally, if made (default: `tally`'s default rule)."""
     t = t if t is not None else tally(samples)
     if not t.winner or not samples:
         return 0.0, ""

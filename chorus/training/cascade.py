@@ -60,12 +60,14 @@ def simulate(confs: list[list[tuple[float, bool]]], thresholds: Sequence[float])
 
 def member_stats(rows: list[dict[str, Any]], compare: Callable[[str, str], bool] = same
                  ) -> list[list[tuple[float, bool]]]:
-    """Each row's members as (agreement, majority right)."""
+    """Each row's members as (agreement, majority right). A row: ``members`` (each member's answers) and
+    optionally ``finished`` (each member's answers: ended on their own, else cut at max_tokens: those abstain
+    while another finished, as the served cascade's default ``unfinished: abstain`` decides)."""
     out = []
     for r in rows:
         item = []
-        for answers in r["members"]:
-            share, answer = agreement(from_answers(answers))
+        for answers, done in zip(r["members"], r.get("finished") or [None] * len(r["members"]), strict=True):
+            share, answer = agreement(from_answers(answers, finished=done))
             item.append((share, compare(answer, r["reference"])))
         out.append(item)
     return out
@@ -98,19 +100,21 @@ def write_artifact(path: Path, members: list[str], fit: Fit, *, answer: str, sam
 
 def rows_from_cache(cache: Path, split: str, members: list[str], samples: int) -> list[dict[str, Any]]:
     """Train rows from `chorus eval gsm8k`'s cache: items where every member has ``samples`` answers."""
-    per: list[dict[int, list[str]]] = []
+    per: list[dict[int, list[tuple[str, bool]]]] = []
     ref: dict[int, str] = {}
     for m in members:
-        got: dict[int, list[str]] = {}
+        got: dict[int, list[tuple[str, bool]]] = {}
         path = cache / split / f"{m}.jsonl"
         for line in path.read_text().splitlines() if path.is_file() else []:
             r = json.loads(line)
             if r["kind"] == "sample":
-                got.setdefault(r["item"], []).extend(c["answer"] for c in r["choices"])
+                got.setdefault(r["item"], []).extend((c["answer"], c.get("finish_reason") != "length")
+                                                     for c in r["choices"])
                 ref[r["item"]] = r["reference"]
         per.append(got)
     items = sorted(i for i in ref if all(len(g.get(i, [])) >= samples for g in per))
-    return [{"item": i, "members": [g[i][:samples] for g in per], "reference": ref[i]} for i in items]
+    return [{"item": i, "members": [[a for a, _ in g[i][:samples]] for g in per],
+             "finished": [[f for _, f in g[i][:samples]] for g in per], "reference": ref[i]} for i in items]
 
 
 def main(args: argparse.Namespace) -> int:

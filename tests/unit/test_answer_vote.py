@@ -59,6 +59,24 @@ def test_voting_table(samples: list[Sample], weights: dict[str, float] | None, w
     assert t.drawn == len(samples) and t.votes == sum(bool(s.answer) for s in samples)
 
 
+def cut(member: str, answer: str) -> Sample:
+    return Sample(member, f"... so far {answer}", answer, finish_reason="length")
+
+
+@pytest.mark.parametrize(("samples", "unfinished", "winner", "abstained"), [
+    ([cut("a", "18"), cut("a", "18"), S("a", "7")], "abstain", "7", 2),  # cut samples give way to a finished one
+    ([cut("a", "18"), cut("a", "18"), S("a", "7")], "vote", "18", 0),
+    ([cut("a", "18"), cut("a", "18"), cut("a", "9")], "abstain", "18", 0),  # none finished: they all vote
+    ([cut("a", "18"), S("a", "")], "abstain", "18", 0),  # a finished sample without an answer does not count
+])
+def test_samples_cut_at_max_tokens_abstain(samples: list[Sample], unfinished: str, winner: str,
+                                           abstained: int) -> None:
+    t = tally(samples, unfinished=unfinished)  # type: ignore[arg-type]
+    assert (t.winner, t.abstained) == (winner, abstained)
+    if unfinished == "abstain" and abstained:
+        assert agreement(samples, t) == (pytest.approx(1 / 3), "7")  # an abstaining sample counts against
+
+
 def test_the_reply_is_the_likeliest_sample_of_the_winning_answer() -> None:
     samples = [S("a", "4", -0.9), S("a", "4", -0.1), S("b", "3", 0.0)]
     best = best_sample(samples, tally(samples).winner)
@@ -92,6 +110,7 @@ def test_beta_confidence() -> None:
 # ---- served, over fake members ----
 
 RIGHT, WRONG, OTHER = "Step by step. The answer is 42.", "Hmm. The answer is 41.", "So the answer is 7."
+LONG = "Nine and nine is 18, and then we still have to count the rest of the apples one by one. The answer is 5."
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +120,8 @@ def fakes() -> dict[str, FakeEngine]:
         "sure": FakeEngine("sure", replies=[RIGHT, RIGHT, RIGHT, WRONG], sharpness=100.0, max_model_len=4000),
         "torn": FakeEngine("torn", replies=[OTHER, WRONG], sharpness=100.0, max_model_len=4000),
         "mute": FakeEngine("mute", replies=["I cannot say."], sharpness=100.0, max_model_len=4000),
+        # a long chain of thought that max_tokens cuts after "18", twice, then a short finished answer
+        "long": FakeEngine("long", replies=[LONG, LONG, OTHER], sharpness=100.0, max_model_len=4000),
     }
 
 
@@ -135,6 +156,22 @@ def test_self_consistency_of_one_member_votes_on_answers(client: openai.OpenAI) 
     assert [s["answer"] for s in trace["samples"]] == ["42", "42", "42", "41"]
     assert trace["winner"]["answer"] == "42" and "3 of 4 votes" in trace["reason"]
     assert trace["answer_type"] == "number" and trace["usage"]["calls"] == 1  # one request of n = 4
+
+
+@pytest.mark.parametrize(("unfinished", "answer", "abstained"), [("abstain", "7", 2), ("vote", "18", 0)])
+def test_samples_cut_at_max_tokens_abstain_when_served(client: openai.OpenAI, unfinished: str, answer: str,
+                                                       abstained: int) -> None:
+    r = ask(client, {"strategy": "answer_vote", "members": ["long"], "samples": 3, "batch": 3, "answer": "number",
+                     "unfinished": unfinished}, max_tokens=40)
+    trace = r.model_extra["ensemble"]
+    assert [s["finish_reason"] for s in trace["samples"]] == ["length", "length", "stop"]
+    assert trace["winner"]["answer"] == answer and trace["abstained"] == abstained
+
+
+def test_an_unknown_unfinished_rule_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, {"strategy": "answer_vote", "members": ["sure"], "unfinished": "sometimes"})
+    assert "unfinished" in str(err.value)
 
 
 def test_two_members_vote_together_and_n_gives_distinct_answers(client: openai.OpenAI) -> None:
@@ -268,11 +305,86 @@ def test_bench_answers_replays_the_strategies_on_a_cache(tmp_path: Path, capsys:
         for model in ("s", "l"):
             (tmp_path / split).mkdir(exist_ok=True)
             (tmp_path / split / f"{model}.jsonl").write_text("\n".join(json.dumps(r) for r in rows(model, split)))
-    args = argparse.Namespace(cache=str(tmp_path), small="s", large="l", k_small=4, k_large=4, keep=1.0,
-                              figure_data=str(tmp_path / "fig.json"))
+    parser = argparse.ArgumentParser()
+    answers.add_arguments(parser)
+    args = parser.parse_args(["--cache", str(tmp_path), "--small", "s", "--large", "l", "--k-small", "4",
+                              "--figure-data", str(tmp_path / "fig.json"), "--seconds", "measured"])
     assert answers.main(args) == 0
     table = capsys.readouterr().out
     assert "n=12 items" in table and "best member on train: l greedy" in table
     fitted = next(line for line in table.splitlines() if "tau fitted" in line)
     assert "(1;" in fitted and "| 100.0 [" in fitted and "| 33% |" in fitted  # escalates only the unsure third
     assert json.loads((tmp_path / "fig.json").read_text())["n"] == 12
+
+
+def test_bench_answers_models_seconds_from_tokens_on_quiet_items() -> None:
+    """`--seconds modeled`: a + b * tokens per choice, fitted per model and kind on the quiet items, charged to
+    every request; the note gives how much longer the others took (a machine shared with other work)."""
+    from chorus.bench.answers import Batch, Item, model_seconds
+
+    def item(i: int, slow: float) -> Item:
+        tokens = 100 + 10 * i
+        return Item("1", greedy={"m": Batch(["1"], tokens, slow * (0.5 + 0.02 * tokens), 0.0)},
+                    samples={"m": [Batch(["1"] * 4, 4 * tokens, slow * (6 + 0.04 * tokens), 0.0)]})
+
+    items = {i: item(i, 1.0 if i < 5 else 2.0) for i in range(10)}
+    for it in items.values():  # as cached: the measured seconds
+        for b in [*it.greedy.values(), *it.samples["m"]]:
+            b.measured = b.seconds
+    notes = model_seconds({i: it for i, it in items.items() if i < 5}, [items], ["m"])
+    assert items[9].greedy["m"].seconds == pytest.approx(0.5 + 0.02 * 190)  # the quiet machine's seconds
+    assert items[9].samples["m"][0].seconds == pytest.approx(6 + 0.04 * 190)
+    assert "0.50 s + 20.0 ms/token, fitted on 5 quiet requests" in notes[0] and "took 2.00x" in notes[0]
+    with pytest.raises(SystemExit, match="quiet greedy requests"):
+        model_seconds({}, [items], ["m"])
+
+
+def test_bench_answers_fits_a_vote_weight_on_train() -> None:
+    """The larger member's weight in the vote: the smallest that gets the best train accuracy."""
+    from chorus.bench.answers import Batch, Item, fit_weight, vote
+
+    def item(small: list[str], large: list[str]) -> Item:
+        return Item("5", samples={"s": [Batch(small, 40, 1.0)], "l": [Batch(large, 40, 1.0)]})
+
+    # "3" has three small votes and one large, "5" one small and two large: at weight w, 3 + w against 1 + 2w
+    train = {0: item(["3", "3", "3", "5"], ["5", "5", "3", "4"])}
+    ks = {"l": 4, "s": 4}
+    assert fit_weight(train, ks, "l") == 2.0  # at 2 they tie (5 to 5) and the large member's "5", seen first, wins
+    assert vote(ks)(train[0]).right is False and vote(ks, {"l": 2.0})(train[0]).right is True
+
+
+def test_eval_gsm8k_caches_answers_and_resumes(tmp_path: Path) -> None:
+    """`chorus eval gsm8k` over a live gateway: greedy and seeded samples per item into the cache, GSM8K rows as
+    chat turns and `--items` rows (the addition set's shape) as completions stopped at the line's end; a rerun
+    sends only what is missing."""
+    import argparse
+
+    from chorus.clients import eval_gsm8k
+    from tests.helpers import serve_fakes
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("\n".join(json.dumps({"question": f"Q{i}?", "answer": "x\n#### 42"})
+                                                          for i in range(2)) + "\n")
+    (tmp_path / "add.jsonl").write_text(json.dumps({"prompt": "1 + 1 = 2\n40 + 2 =", "answer": "42"}) + "\n")
+    engine = FakeEngine("m", script=" 42 and more\nnext line", sharpness=100.0, max_model_len=4000)
+
+    def run(*extra: str) -> int:
+        parser = argparse.ArgumentParser()
+        eval_gsm8k.add_arguments(parser)
+        return eval_gsm8k.main(parser.parse_args(
+            ["--url", srv.url, "--model", "m", "--data-dir", str(tmp_path), "--count", "2", "--k", "4",
+             "--max-tokens", "30", *extra]))
+
+    with serve_fakes({"m": engine}) as srv:
+        assert run("--cache", str(tmp_path / "c")) == 0
+        rows = [json.loads(x) for x in (tmp_path / "c" / "test" / "m.jsonl").read_text().splitlines()]
+        assert [(r["item"], r["kind"], r["seed"]) for r in rows] == [
+            (0, "greedy", None), (0, "sample", 1_000_000), (1, "greedy", None), (1, "sample", 1_001_000)]
+        assert rows[1]["reference"] == "42" and len(rows[1]["choices"]) == 4
+        assert rows[0]["choices"][0]["answer"] == "42"  # the chat reply's last number
+        assert run("--cache", str(tmp_path / "c")) == 0  # resumed: nothing missing, nothing sent
+        assert len((tmp_path / "c" / "test" / "m.jsonl").read_text().splitlines()) == 4
+        assert run("--cache", str(tmp_path / "a"), "--items", str(tmp_path / "add.jsonl")) == 0
+        add = [json.loads(x) for x in (tmp_path / "a" / "test" / "m.jsonl").read_text().splitlines()]
+        assert add[0]["choices"][0]["text"] == " 42 and more"  # a completion, stopped at the line's end
+        assert add[0]["choices"][0]["answer"] == "42" and add[0]["reference"] == "42"
