@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from chorus.clients import eval_stats as S
-from chorus.ensembles.voting import agreement, from_answers, settled, tally
+from chorus.ensembles.consistency_select import choose
+from chorus.ensembles.voting import Sample, Unfinished, agreement, from_answers, settled, tally
 from chorus.training.cascade import fit_thresholds, same
 
 
@@ -33,7 +34,9 @@ from chorus.training.cascade import fit_thresholds, same
 class Batch:
     answers: list[str]
     tokens: float  # completion tokens of the batch
-    seconds: float
+    seconds: float  # what the row is charged: measured, or modeled from the tokens (`model_seconds`)
+    measured: float = 0.0  # the request's wall time as cached
+    finished: list[bool] = field(default_factory=list)  # per answer: ended on its own (False: cut at max_tokens)
 
 
 @dataclass
@@ -59,7 +62,8 @@ def load(cache: Path, split: str, models: list[str]) -> dict[int, Item]:
         rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
         for r in sorted(rows, key=lambda r: (r["item"], r["seed"] or -1)):
             it = items.setdefault(r["item"], Item(r["reference"]))
-            b = Batch([c["answer"] for c in r["choices"]], sum(c["tokens"] for c in r["choices"]), r["seconds"])
+            b = Batch([c["answer"] for c in r["choices"]], sum(c["tokens"] for c in r["choices"]), r["seconds"],
+                      r["seconds"], [c.get("finish_reason", "stop") != "length" for c in r["choices"]])
             if r["kind"] == "greedy":
                 it.greedy[m] = b
             else:
@@ -73,17 +77,59 @@ def complete(items: dict[int, Item], need: dict[str, int]) -> dict[int, Item]:
         m in it.greedy and sum(len(b.answers) for b in it.samples.get(m, [])) >= k for m, k in need.items())}
 
 
-def first(it: Item, m: str, k: int) -> tuple[list[str], float, float]:
-    """The first ``k`` samples of ``m``: answers, tokens, seconds (whole batches: they were drawn together)."""
-    answers: list[str] = []
+def _requests(items: dict[int, Item], m: str, kind: str) -> list[Batch]:
+    if kind == "greedy":
+        return [it.greedy[m] for it in items.values() if m in it.greedy]
+    return [b for it in items.values() for b in it.samples.get(m, [])]
+
+
+def model_seconds(quiet: dict[int, Item], every: list[dict[int, Item]], models: list[str]) -> list[str]:
+    """Charge every request the seconds a quiet machine takes for its tokens: per model and kind (greedy, a batch
+    of samples), ``seconds = a + b * tokens per choice`` by least squares on the requests of ``quiet`` (drawn on
+    an otherwise idle machine), applied to the requests of ``every``. Returns a line per fit: its size, R², mean
+    relative error, and the measured / modeled ratio of the other requests (what sharing the machine added)."""
+    notes = []
+    for m in models:
+        for kind in ("greedy", "sample"):
+            fit = _requests(quiet, m, kind)
+            if len(fit) < 3:
+                raise SystemExit(f"chorus bench answers: {len(fit)} quiet {kind} requests of {m} to fit seconds on; "
+                                 "give --quiet-items or --seconds measured")
+            x = np.array([[1.0, b.tokens / len(b.answers)] for b in fit])
+            y = np.array([b.measured for b in fit])
+            coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            pred = x @ coef
+            r2 = 1 - float(((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))
+            ids = {id(b) for b in fit}
+            rest = [b for items in every for b in _requests(items, m, kind) if id(b) not in ids]
+            for items in every:
+                for b in _requests(items, m, kind):
+                    b.seconds = max(0.0, float(coef[0] + coef[1] * b.tokens / len(b.answers)))
+            ratio = (f"; the {len(rest)} others took {sum(b.measured for b in rest) / sum(b.seconds for b in rest):.2f}x"
+                     " the modeled seconds" if rest else "")
+            notes.append(f"{m} {kind}: {coef[0]:.2f} s + {1000 * coef[1]:.1f} ms/token, fitted on {len(fit)} quiet "
+                         f"requests (R^2 {r2:.3f}, mean error {100 * float(np.mean(abs(y - pred) / y)):.1f}%){ratio}")
+    return notes
+
+
+def draw(it: Item, m: str, k: int) -> tuple[list[Sample], float, float]:
+    """The first ``k`` samples of ``m`` (whether each finished or was cut at max_tokens), their tokens and seconds
+    (whole batches: they were drawn together)."""
+    samples: list[Sample] = []
     tokens = seconds = 0.0
     for b in it.samples[m]:
-        if len(answers) >= k:
+        if len(samples) >= k:
             break
-        answers += b.answers
+        samples += from_answers(b.answers, m, b.finished or None)
         tokens += b.tokens
         seconds += b.seconds
-    return answers[:k], tokens, seconds
+    return samples[:k], tokens, seconds
+
+
+def first(it: Item, m: str, k: int) -> tuple[list[str], float, float]:
+    """`draw`'s answers alone (every one voting, finished or not: the online replay's arms)."""
+    samples, tokens, seconds = draw(it, m, k)
+    return [s.answer for s in samples], tokens, seconds
 
 
 def majority(answers: list[str]) -> str:
@@ -95,66 +141,81 @@ def greedy(m: str) -> Callable[[Item], Outcome]:
                               it.greedy[m].seconds, large=False)
 
 
-def self_consistency(m: str, k: int) -> Callable[[Item], Outcome]:
+def self_consistency(m: str, k: int, u: Unfinished = "abstain") -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
-        answers, tokens, seconds = first(it, m, k)
-        return Outcome(same(majority(answers), it.reference), k, tokens, seconds)
+        samples, tokens, seconds = draw(it, m, k)
+        return Outcome(same(tally(samples, unfinished=u).winner, it.reference), k, tokens, seconds)
     return run
 
 
-def adaptive(m: str, k: int, rule: str = "beta") -> Callable[[Item], Outcome]:
+def adaptive(m: str, k: int, rule: str = "beta", u: Unfinished = "abstain") -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
-        answers: list[str] = []
+        samples: list[Sample] = []
         tokens = seconds = 0.0
         for b in it.samples[m]:
-            answers += b.answers
+            samples += from_answers(b.answers, m, b.finished or None)
             tokens += b.tokens
             seconds += b.seconds
-            if len(answers) >= k or settled(tally(from_answers(answers)), k - len(answers), rule)[0]:
+            if len(samples) >= k or settled(tally(samples, unfinished=u), k - len(samples), rule)[0]:
                 break
-        return Outcome(same(majority(answers[:k]), it.reference), len(answers[:k]), tokens, seconds)
+        return Outcome(same(tally(samples[:k], unfinished=u).winner, it.reference), len(samples[:k]), tokens,
+                       seconds)
     return run
 
 
-def vote(ks: dict[str, int]) -> Callable[[Item], Outcome]:
+def vote(ks: dict[str, int], weights: dict[str, float] | None = None, u: Unfinished = "abstain"
+         ) -> Callable[[Item], Outcome]:
+    """Every member's first k samples in one tally (each counting its member's weight); a tie goes to the answer
+    seen first, so list the member to trust on ties first."""
     def run(it: Item) -> Outcome:
-        answers: list[str] = []
+        samples: list[Sample] = []
         tokens = seconds = 0.0
         for m, k in ks.items():
-            a, t, s = first(it, m, k)
-            answers += a
+            a, t, s = draw(it, m, k)
+            samples += a
             tokens += t
             seconds += s
-        return Outcome(same(majority(answers), it.reference), len(answers), tokens, seconds, large=True)
+        winner = tally(samples, weights, u).winner
+        return Outcome(same(winner, it.reference), len(samples), tokens, seconds, large=True)
     return run
 
 
-def select(ks: dict[str, int], prior: dict[str, float]) -> Callable[[Item], Outcome]:
+WEIGHTS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def fit_weight(train: dict[int, Item], ks: dict[str, int], member: str, u: Unfinished = "abstain") -> float:
+    """The weight of ``member``'s samples (the others count 1) with the best train accuracy; the smallest on a tie."""
+    return max(WEIGHTS, key=lambda w: (accuracy(train, vote(ks, {member: w}, u)), -w))
+
+
+def select(ks: dict[str, int], prior: dict[str, float], u: Unfinished = "abstain") -> Callable[[Item], Outcome]:
+    """The served `consistency_select` decision (`choose`) over each member's first k samples."""
     def run(it: Item) -> Outcome:
         stats = []
         tokens = seconds = 0.0
         for m, k in ks.items():
-            a, t, s = first(it, m, k)
+            a, t, s = draw(it, m, k)
             tokens += t
             seconds += s
-            share, answer = agreement(from_answers(a))
-            stats.append((share, prior.get(m, 0.0), answer))
-        share, _, answer = max(stats, key=lambda x: (x[0], x[1]))  # ties: the higher prior, then the earlier
+            stats.append((m, *agreement(a, tally(a, unfinished=u))))
+        label, _ = choose(stats, prior)
+        answer = next(x[2] for x in stats if x[0] == label)
         return Outcome(same(answer, it.reference), sum(ks.values()), tokens, seconds, large=True)
     return run
 
 
-def cascade(small: str, large: str, k: int, tau: float, last: str = "sc") -> Callable[[Item], Outcome]:
+def cascade(small: str, large: str, k: int, tau: float, last: str = "sc", u: Unfinished = "abstain"
+            ) -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
-        a, tokens, seconds = first(it, small, k)
-        share, answer = agreement(from_answers(a))
+        a, tokens, seconds = draw(it, small, k)
+        share, answer = agreement(a, tally(a, unfinished=u))
         if share >= tau:
             return Outcome(same(answer, it.reference), k, tokens, seconds)
         if last == "greedy":
             g = it.greedy[large]
             return Outcome(same(g.answers[0], it.reference), k + 1, tokens + g.tokens, seconds + g.seconds, True)
-        b, t2, s2 = first(it, large, k)
-        return Outcome(same(majority(b), it.reference), 2 * k, tokens + t2, seconds + s2, True)
+        b, t2, s2 = draw(it, large, k)
+        return Outcome(same(tally(b, unfinished=u).winner, it.reference), 2 * k, tokens + t2, seconds + s2, True)
     return run
 
 
@@ -174,34 +235,49 @@ def main(args: argparse.Namespace) -> int:
     test = complete(load(Path(args.cache), "test", [small, large]), need)
     if not train or not test:
         raise SystemExit(f"need cached train and test items with greedy + {need} samples in {args.cache}")
+    notes = []
+    if args.seconds == "modeled":
+        quiet = {i: it for i, it in test.items() if i < args.quiet_items}
+        notes = ["Seconds modeled from each request's tokens (`--seconds modeled`):"] + [
+            f"- {n}" for n in model_seconds(quiet, [train, test], [small, large])] + [""]
     # choices on train only
+    u: Unfinished = args.unfinished
     best = max((small, large), key=lambda m: accuracy(train, greedy(m)))
-    prior = {m: accuracy(train, self_consistency(m, 4)) for m in (small, large)}
-    rows_train = [{"members": [first(it, small, 4)[0], first(it, large, 4)[0]], "reference": it.reference}
-                  for it in train.values()]
-    target = accuracy(train, self_consistency(large, 4)) * args.keep
+    prior = {m: accuracy(train, self_consistency(m, 4, u)) for m in (small, large)}
+    drawn = [(draw(it, small, 4)[0], draw(it, large, 4)[0], it.reference) for it in train.values()]
+    rows_train = [{"members": [[s.answer for s in a] for a in (x, y)],
+                   "finished": [[u == "vote" or not s.cut for s in a] for a in (x, y)], "reference": ref}
+                  for x, y, ref in drawn]
+    target = accuracy(train, self_consistency(large, 4, u)) * args.keep
     fit = fit_thresholds(rows_train, target)
     rows: list[tuple[str, Callable[[Item], Outcome]]] = [(f"{small} greedy", greedy(small)),
                                                           (f"{large} greedy", greedy(large))]
     for m, kmax in ((small, args.k_small), (large, args.k_large)):
-        rows += [(f"{m} self-consistency k={k}", self_consistency(m, k)) for k in (4, 8, 16) if k <= kmax]
+        rows += [(f"{m} self-consistency k={k}", self_consistency(m, k, u)) for k in (4, 8, 16) if k <= kmax]
         if kmax > 4:
-            rows.append((f"{m} adaptive (Beta rule, batches of 4, k<={kmax})", adaptive(m, kmax)))
+            rows.append((f"{m} adaptive (Beta rule, batches of 4, k<={kmax})", adaptive(m, kmax, u=u)))
+    # the vote lists the better member on train first: a tie goes to the answer seen first
+    other = small if best == large else large
+    both = {best: need[best], other: need[other]}
+    w = fit_weight(train, both, best, u)
     rows += [
-        (f"vote: {small} k={args.k_small} + {large} k={args.k_large}", vote(need)),
-        (f"vote: {small} k=4 + {large} k=4", vote({small: 4, large: 4})),
+        (f"vote: {small} k={args.k_small} + {large} k={args.k_large}", vote(both, u=u)),
+        (f"vote: {small} k=4 + {large} k=4", vote({best: 4, other: 4}, u=u)),
+        (f"vote: {small} k={args.k_small} + {large} k={args.k_large}, {best} weighted {w:g} (fitted on train)",
+         vote(both, {best: w}, u)),
         (f"consistency_select: k=4 each (ties: train accuracy {prior[small]:.2f} / {prior[large]:.2f})",
-         select({small: 4, large: 4}, prior)),
+         select({small: 4, large: 4}, prior, u)),
     ]
-    rows += [(f"agreement cascade tau={tau:g}, k=4 each", cascade(small, large, 4, tau)) for tau in (0.5, 0.75, 1.0)]
+    rows += [(f"agreement cascade tau={tau:g}, k=4 each", cascade(small, large, 4, tau, u=u))
+             for tau in (0.5, 0.75, 1.0)]
     rows.append((f"agreement cascade, tau fitted on train ({fit.thresholds[0]:g}; target {target:.3f})",
-                 cascade(small, large, 4, fit.thresholds[0])))
-    rows.append((f"agreement cascade tau=1 -> {large} greedy", cascade(small, large, 4, 1.0, last="greedy")))
+                 cascade(small, large, 4, fit.thresholds[0], u=u)))
+    rows.append((f"agreement cascade tau=1 -> {large} greedy", cascade(small, large, 4, 1.0, last="greedy", u=u)))
     base = np.array([o.right for o in score(test, greedy(best))], dtype=float)
     oracle = np.array([any(same(it.greedy[m].answers[0], it.reference) for m in (small, large))
                        for _, it in sorted(test.items())], dtype=float)
-    lines = [f"chorus bench answers: GSM8K test, n={len(test)} items (choices on train, n={len(train)}); best member "
-             f"on train: {best} greedy", "",
+    lines = [f"chorus bench answers: {args.name} test, n={len(test)} items (choices on train, n={len(train)}); best "
+             f"member on train: {best} greedy", "", *notes,
              f"| row | accuracy [95% CI] | vs {best} greedy [95% CI] | McNemar p | samples / item | tokens / item | "
              "seconds / item | larger model asked |", "|---|---|---|---:|---:|---:|---:|---:|"]
     figure = []
@@ -222,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
                  f"{100 * hi:.1f}] | | | | | | |")
     print("\n".join(lines))
     if args.figure_data:
-        Path(args.figure_data).write_text(json.dumps({"n": len(test), "rows": figure}, indent=1) + "\n")
+        Path(args.figure_data).write_text(json.dumps({"set": args.name, "n": len(test), "seconds": args.seconds,
+                                                      "rows": figure}, indent=1) + "\n")
     return 0
 
 
@@ -234,5 +311,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-large", type=int, default=4, help="samples of the large model per item in the cache")
     p.add_argument("--keep", type=float, default=1.0, help="cascade fit: share of the large model's train accuracy")
     p.add_argument("--figure-data", help="write accuracy and seconds per row (JSON) for the figure")
+    p.add_argument("--name", default="GSM8K", help="the set's name in the table's title")
+    p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
+                   help="samples cut at max_tokens: abstain while another sample finished (the served default), "
+                        "or vote")
+    p.add_argument("--seconds", choices=["modeled", "measured"], default="modeled",
+                   help="charge each request its measured wall time, or the seconds a quiet machine takes for its "
+                        "tokens (fitted per model and kind on the test items below --quiet-items)")
+    p.add_argument("--quiet-items", type=int, default=30,
+                   help="test items drawn on an otherwise idle machine (0 .. N-1): what --seconds modeled fits on")
 
 

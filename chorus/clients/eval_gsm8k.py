@@ -13,6 +13,11 @@ thought ending in "The answer is N"), as one user message through ``/v1/chat/com
 ``--max-tokens`` tokens. Requests go one at a time, so each request's wall time is what that item's answers
 cost on this machine (a batch's ``n`` choices decode together, as the served strategies draw them).
 
+``--items FILE`` samples another labelled set instead: JSONL rows of ``{"prompt": ..., "answer": ...}`` (the
+seeded addition set that ``chorus eval addition --write`` writes), each prompt sent as it is to
+``/v1/completions``, stopped at the line's end, its answer the first number of the completion (the addition
+eval's rule); the cache layout is the same (``--split`` names its folder), so ``chorus bench answers`` reads it.
+
 The cache is one JSON line per request (``docs/data/gsm8k/SPLIT/MODEL.jsonl``, committed: the next session resumes it): item, kind (greedy / sample), seed,
 each choice's text, extracted answer and completion tokens, and the request's seconds. A rerun sends only
 what is missing: a run can stop at any point and be resumed or extended (more items, larger k).
@@ -29,10 +34,11 @@ from typing import Any
 
 import httpx
 
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers import compile_pattern, extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is N", where N is a number.'
 SEED = 1_000_000
+FIRST_NUMBER = compile_pattern(r"^\D*?(-?\d+)")  # a completion's first number (the addition set's answer)
 
 
 def prompt(question: str) -> str:
@@ -52,9 +58,10 @@ def same_number(a: str, b: str) -> bool:
         return False
 
 
-def items(data_dir: Path, split: str, start: int, count: int) -> list[dict[str, Any]]:
+def items(data_dir: Path, split: str, start: int, count: int, path: Path | None = None) -> list[dict[str, Any]]:
+    """Rows ``start`` .. ``start + count - 1`` of GSM8K's split (or of ``path``), each with its ``index``."""
     out = []
-    with (data_dir / "gsm8k" / f"{split}.jsonl").open() as f:
+    with (path or data_dir / "gsm8k" / f"{split}.jsonl").open() as f:
         for i, line in enumerate(f):
             if i >= start + count:
                 break
@@ -73,30 +80,36 @@ def read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def ask(client: httpx.Client, url: str, model: str, question: str, *, n: int, temperature: float,
+def ask(client: httpx.Client, url: str, model: str, item: dict[str, Any], *, n: int, temperature: float,
         seed: int | None, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt(question)}],
-                            "n": n, "temperature": temperature, "max_tokens": max_tokens}
+    """One request of ``n`` choices: a GSM8K question as a chat turn, or a labelled ``prompt`` as a completion
+    stopped at the line's end."""
+    body: dict[str, Any] = {"model": model, "n": n, "temperature": temperature, "max_tokens": max_tokens}
+    if "prompt" in item:
+        body |= {"prompt": item["prompt"], "stop": ["\n"]}
+    else:
+        body["messages"] = [{"role": "user", "content": prompt(item["question"])}]
     if seed is not None:
         body["seed"] = seed
     if temperature > 0:
         body["top_p"] = 1.0
     t0 = time.perf_counter()
-    r = client.post(url + "/v1/chat/completions", json=body)
+    r = client.post(url + ("/v1/completions" if "prompt" in item else "/v1/chat/completions"), json=body)
     seconds = time.perf_counter() - t0
     r.raise_for_status()
     reply = r.json()
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     per = reply["usage"]["completion_tokens"] / max(1, len(choices))
+    texts = [(c["text"] if "prompt" in item else c["message"]["content"]) or "" for c in choices]
     return {"seconds": seconds, "prompt_tokens": reply["usage"]["prompt_tokens"],
-            "choices": [{"text": c["message"]["content"] or "", "finish_reason": c["finish_reason"],
-                         "answer": extract_answer(c["message"]["content"] or "", "number"),
-                         "tokens": c.get("completion_tokens", per)} for c in choices]}
+            "choices": [{"text": t, "finish_reason": c["finish_reason"],
+                         "answer": extract_answer(t, "number", FIRST_NUMBER if "prompt" in item else None),
+                         "tokens": c.get("completion_tokens", per)} for t, c in zip(texts, choices)]}
 
 
 def main(args: argparse.Namespace) -> int:
     root = Path(args.cache)
-    todo = items(Path(args.data_dir), args.split, args.start, args.count)
+    todo = items(Path(args.data_dir), args.split, args.start, args.count, Path(args.items) if args.items else None)
     with httpx.Client(timeout=args.timeout) as client:
         for model in args.model:
             path = cache_path(root, args.split, model)
@@ -111,12 +124,12 @@ def main(args: argparse.Namespace) -> int:
                     wanted += [("sample", SEED + 1000 * i + j, args.batch) for j in range(0, args.k, args.batch)
                                if (i, SEED + 1000 * i + j) not in seeds]
                     for kind, seed, n in wanted:
-                        got = ask(client, args.url, model, it["question"], n=n,
+                        got = ask(client, args.url, model, it, n=n,
                                   temperature=0.0 if kind == "greedy" else args.temperature, seed=seed,
                                   max_tokens=args.max_tokens)
                         row = {"item": i, "kind": kind, "seed": seed, "temperature": 0.0 if kind == "greedy"
                                else args.temperature, "max_tokens": args.max_tokens, "reference":
-                               reference(it["answer"]), **got}
+                               reference(str(it["answer"])), **got}
                         out.write(json.dumps(row) + "\n")
                         out.flush()
                         right = sum(same_number(c["answer"], row["reference"]) for c in got["choices"])
@@ -130,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", required=True, help="a served model (repeat for several)")
     p.add_argument("--data-dir", default="../shared/data", help="holds gsm8k/train.jsonl and gsm8k/test.jsonl")
     p.add_argument("--split", choices=["train", "test"], default="test")
+    p.add_argument("--items", help="sample this JSONL of {prompt, answer} rows instead of GSM8K's split (e.g. the "
+                                   "addition set of `chorus eval addition --write`); --split names its cache folder")
     p.add_argument("--start", type=int, default=0, help="first item (0-based line of the split's file)")
     p.add_argument("--count", type=int, default=50, help="items from --start")
     p.add_argument("--k", type=int, default=8, help="sampled answers per item (a multiple of --batch)")
