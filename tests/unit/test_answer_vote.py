@@ -168,6 +168,23 @@ def test_samples_cut_at_max_tokens_abstain_when_served(client: openai.OpenAI, un
     assert trace["winner"]["answer"] == answer and trace["abstained"] == abstained
 
 
+@pytest.mark.parametrize(("unfinished", "winner", "answer", "asked"), [
+    ("abstain", "torn", "7", ["long", "sure"]), ("vote", "long", "18", ["long"])])
+def test_cut_samples_count_against_agreement_in_selection_and_the_cascade(
+        client: openai.OpenAI, unfinished: str, winner: str, answer: str, asked: list[str]) -> None:
+    """"long" gives 18 twice (both cut) and 7 once: abstaining, its agreement is 1/3 and "torn" (7, 41, 7: 2/3)
+    is chosen, and the cascade escalates past it at 0.6; voting, 18 agrees 2/3 (a tie that member order breaks)."""
+    r = ask(client, {"strategy": "consistency_select", "members": ["long", "torn"], "samples": 3, "batch": 3,
+                     "answer": "number", "unfinished": unfinished}, max_tokens=40)
+    assert r.model_extra["ensemble"]["winner"] == {"member": winner, "answer": "18" if winner == "long" else "7"}
+    # "long" has opened 3 sessions: a cycle of its 3 replies, so the cascade sees the same samples
+    c = ask(client, {"strategy": "cascade", "members": ["long", "sure"], "confidence": "agreement", "samples": 3,
+                     "threshold": 0.6, "answer": "number", "unfinished": unfinished}, max_tokens=40)
+    steps = c.model_extra["ensemble"]["steps"]
+    assert [s["member"] for s in steps] == asked
+    assert "18" in c.choices[0].message.content if answer == "18" else c.choices[0].message.content == RIGHT
+
+
 def test_an_unknown_unfinished_rule_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         ask(client, {"strategy": "answer_vote", "members": ["sure"], "unfinished": "sometimes"})
