@@ -47,9 +47,10 @@ class CascadeParams(BaseModel):
         "agreement: samples cut at max_tokens abstain (unless none finished) or vote"))
 
 
-def read_artifact(path: str, members: list[str]) -> list[float]:
+def read_artifact(path: str, members: list[str], unfinished: Unfinished = "abstain") -> list[float]:
     """The thresholds of a `chorus train cascade` artifact, checked against the ensemble's members (models, in
-    order); a 400 naming ``ensemble.artifact`` when it cannot be read or was fitted for other members."""
+    order); a 400 naming ``ensemble.artifact`` when it cannot be read or was fitted for other members, and one
+    naming ``ensemble.unfinished`` when it was fitted with the other rule for cut samples."""
     try:
         data = json.loads(Path(path).read_text())
         fitted, thresholds = list(data["members"]), [float(x) for x in data["thresholds"]]
@@ -61,6 +62,10 @@ def read_artifact(path: str, members: list[str]) -> list[float]:
     if len(thresholds) != len(members) - 1 or any(not 0 <= x <= 1 for x in thresholds):
         raise InvalidRequest(f"the cascade artifact {path!r} must hold {len(members) - 1} thresholds in [0, 1].",
                              param="ensemble.artifact")
+    if data.get("unfinished", unfinished) != unfinished:
+        raise InvalidRequest(f"the cascade artifact {path!r} was fitted with unfinished: {data['unfinished']}; the "
+                             f"ensemble has unfinished: {unfinished} (set the same, or fit again).",
+                             param="ensemble.unfinished")
     return thresholds
 
 
@@ -86,7 +91,7 @@ class Cascade(Strategy):
             if p.confidence != "agreement":
                 raise InvalidRequest("'artifact' holds agreement thresholds: it needs confidence: agreement.",
                                      param="ensemble.artifact")
-            t = read_artifact(p.artifact, [m.spec.model for m in self.members])
+            t = read_artifact(p.artifact, [m.spec.model for m in self.members], p.unfinished)
         else:
             assert p.threshold is not None
             t = p.threshold if isinstance(p.threshold, list) else [p.threshold] * steps

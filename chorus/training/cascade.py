@@ -89,10 +89,11 @@ def fit_thresholds(rows: list[dict[str, Any]], target: float, compare: Callable[
 
 
 def write_artifact(path: Path, members: list[str], fit: Fit, *, answer: str, samples: int, source: str,
-                   target: float | None = None) -> None:
+                   target: float | None = None, unfinished: str = "abstain") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "kind": "chorus-agreement-cascade", "members": members, "answer": answer, "samples": samples,
+        "unfinished": unfinished,
         "thresholds": fit.thresholds, "target": target,
         "train": {"n": fit.n, "accuracy": fit.accuracy, "escalated": fit.escalated, "members_per_item": fit.calls,
                   "source": source}}, indent=2) + "\n")
@@ -119,13 +120,16 @@ def rows_from_cache(cache: Path, split: str, members: list[str], samples: int) -
 
 def main(args: argparse.Namespace) -> int:
     rows = rows_from_cache(Path(args.cache), args.split, args.member, args.samples)
+    if args.unfinished == "vote":
+        rows = [{k: v for k, v in r.items() if k != "finished"} for r in rows]  # every sample votes
     if not rows:
         raise SystemExit(f"no {args.split} item has {args.samples} cached samples of every member in {args.cache}")
     last_alone = simulate(member_stats(rows), [2.0] * (len(args.member) - 1))[0]  # never accept early
     target = args.target if args.target is not None else last_alone * args.keep
     fit = fit_thresholds(rows, target)
     write_artifact(Path(args.out), args.member, fit, answer="number", samples=args.samples,
-                   source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target)
+                   source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target,
+                   unfinished=args.unfinished)
     print(f"{args.out}: thresholds {fit.thresholds}; train n={fit.n}: accuracy {fit.accuracy:.3f} (target "
           f"{target:.3f}; {args.member[-1]} alone {last_alone:.3f}), {100 * fit.escalated:.1f}% escalated")
     return 0
@@ -139,3 +143,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, help="train accuracy to keep (default: the last member's, x --keep)")
     p.add_argument("--keep", type=float, default=1.0, help="share of the last member's train accuracy to keep")
     p.add_argument("--out", default="cascade.json")
+    p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
+                   help="samples cut at max_tokens: abstain while another finished (the served default), or vote; "
+                        "the served cascade must use the same")

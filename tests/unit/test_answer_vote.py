@@ -5,6 +5,7 @@ members whose samples give scripted answers, through the openai SDK (chat, strea
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -290,6 +291,32 @@ def test_an_artifact_for_other_members_is_a_400(client: openai.OpenAI, tmp_path:
                      "artifact": str(path)})
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == "ensemble.artifact" and "fitted for members" in body["message"]
+
+
+def test_an_artifact_fitted_with_the_other_cut_sample_rule_is_a_400(client: openai.OpenAI, tmp_path: Path) -> None:
+    """`chorus train cascade --unfinished vote` writes its rule; a cascade that abstains cannot use its thresholds,
+    and one that votes can."""
+    from chorus.training import cascade as train
+
+    cache = tmp_path / "cache"
+    (cache / "train").mkdir(parents=True)
+    for m, answers in (("sure", ["42"] * 4), ("torn", ["7", "41", "7", "41"])):
+        (cache / "train" / f"{m}.jsonl").write_text(json.dumps({
+            "item": 0, "kind": "sample", "seed": 1, "reference": "42",
+            "choices": [{"answer": a, "finish_reason": "length" if i else "stop"} for i, a in enumerate(answers)]}))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    out = tmp_path / "voted.json"
+    assert train.main(parser.parse_args(["--member", "sure", "--member", "torn", "--cache", str(cache),
+                                         "--out", str(out), "--unfinished", "vote"])) == 0
+    assert json.loads(out.read_text())["unfinished"] == "vote"
+    spec = {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement", "answer": "number",
+            "samples": 4, "artifact": str(out)}
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, spec)
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "ensemble.unfinished" and "unfinished: vote" in body["message"]
+    assert ask(client, {**spec, "unfinished": "vote"}).model_extra["ensemble"]["thresholds"] == [1.0]
 
 
 def test_n_above_the_samples_is_a_400(client: openai.OpenAI) -> None:
