@@ -378,7 +378,7 @@ def test_bench_answers_models_seconds_from_tokens_on_quiet_items() -> None:
     notes = model_seconds({i: it for i, it in items.items() if i < 5}, [items], ["m"])
     assert items[9].greedy["m"].seconds == pytest.approx(0.5 + 0.02 * 190)  # the quiet machine's seconds
     assert items[9].samples["m"][0].seconds == pytest.approx(6 + 0.04 * 190)
-    assert "0.50 s + 20.0 ms/token, fitted on 5 quiet requests" in notes[0] and "took 2.00x" in notes[0]
+    assert "0.50 s + 20.0 ms/token, fitted on 5 quiet requests" in notes[0] and "took 2.00x the modeled seconds (median)" in notes[0]
     with pytest.raises(SystemExit, match="quiet greedy requests"):
         model_seconds({}, [items], ["m"])
 
