@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -223,13 +224,13 @@ def cascade(small: str, large: str, k: int, tau: float, last: str = "sc", u: Unf
 
 
 def cascade_curve(items: dict[int, Item], small: str, large: str, k: int, u: Unfinished
-                  ) -> list[dict[str, object]]:
+                  ) -> list[dict[str, Any]]:
     """Accuracy against the share of items sent to the larger model at every agreement threshold of ``small``'s
     k samples (0: never escalate .. 1: escalate unless all k agree; above 1: always), the larger model answering
     with its 4-sample vote or its greedy answer."""
-    out: list[dict[str, object]] = []
+    out: list[dict[str, Any]] = []
     for tau in [j / k for j in range(k + 1)] + [1 + 1 / k]:
-        row: dict[str, object] = {"tau": tau}
+        row: dict[str, Any] = {"tau": tau}
         for last in ("sc", "greedy"):
             got = score(items, cascade(small, large, k, tau, last=last, u=u))
             right = np.array([o.right for o in got], dtype=float)
