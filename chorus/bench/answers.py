@@ -321,6 +321,15 @@ def main(args: argparse.Namespace) -> int:
     lo, hi = S.accuracy_interval(oracle)
     lines.append(f"| oracle: some member's greedy answer is right | {100 * oracle.mean():.1f} [{100 * lo:.1f}, "
                  f"{100 * hi:.1f}] | | | | | | |")
+    lines += ["", "Each model's self-consistency against its own greedy answer (goal 1):", ""]
+    for m, kmax in ((small, args.k_small), (large, args.k_large)):
+        own = np.array([o.right for o in score(test, greedy(m))], dtype=float)
+        for k in (4, 8, 16):
+            if k <= kmax:
+                d = S.paired_difference(np.array([o.right for o in score(test, self_consistency(m, k, u))],
+                                                 dtype=float), own)
+                lines.append(f"- {m} k={k}: {100 * d.delta:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], "
+                             f"McNemar p = {d.p_mcnemar:.3g}")
     curve = cascade_curve(test, small, large, args.k_small, u)
     lines += ["", f"The agreement cascade's whole curve: tau, the share of {small}'s {args.k_small} samples that must "
               f"agree (above 1: always escalate); below it {large} answers:", "",
