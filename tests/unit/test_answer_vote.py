@@ -358,7 +358,12 @@ def test_bench_answers_replays_the_strategies_on_a_cache(tmp_path: Path, capsys:
     assert "n=12 items" in table and "best member on train: l greedy" in table
     fitted = next(line for line in table.splitlines() if "tau fitted" in line)
     assert "(1;" in fitted and "| 100.0 [" in fitted and "| 33% |" in fitted  # escalates only the unsure third
-    assert json.loads((tmp_path / "fig.json").read_text())["n"] == 12
+    figure = json.loads((tmp_path / "fig.json").read_text())
+    assert figure["n"] == 12 and figure["seconds"] == "measured"
+    # the cascade's curve: never escalating, the small model alone (2 in 3 right); always, the large one (all right)
+    assert (figure["cascade_curve"][0]["share"], figure["cascade_curve"][0]["sc"]) == (0.0, pytest.approx(2 / 3))
+    assert (figure["cascade_curve"][-1]["share"], figure["cascade_curve"][-1]["sc"]) == (1.0, 1.0)
+    assert "- s k=4: +0.0 [+0.0, +0.0], McNemar p = 1" in table  # s's samples say what its greedy answer says
 
 
 def test_bench_answers_models_seconds_from_tokens_on_quiet_items() -> None:
