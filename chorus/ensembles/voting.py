@@ -11,7 +11,8 @@ offline evidence replay call the same functions, so a table and a served request
   train items 4% of the 0.5B's and 12% of the 1.5B's cut samples were right, against 22% and 70% of the
   finished ones). When every sample was cut they all vote (``unfinished: vote``: always).
 - `best_sample`: the reply a user sees: the winning answer's sample with the highest mean log-probability (its
-  whole text, reasoning included).
+  whole text, reasoning included), a finished sample before one cut at ``max_tokens`` (whose text ends
+  mid-sentence).
 - Stopping rules for adaptive sampling (`settled`), checked after each batch of samples:
   - ``majority``: stop when the remaining samples cannot change the winner (its lead is larger than what is
     left to draw);
@@ -120,9 +121,10 @@ def tally(samples: Sequence[Sample], weights: dict[str, float] | None = None,
 
 
 def best_sample(samples: Sequence[Sample], answer: str) -> Sample | None:
-    """The sample of ``answer`` with the highest mean log-probability (the first of them on a tie)."""
+    """The sample of ``answer`` with the highest mean log-probability (the first of them on a tie), a finished
+    sample before a cut one."""
     ofs = [s for s in samples if s.canonical == answer and answer]
-    return max(ofs, key=_lp) if ofs else None
+    return max(ofs, key=lambda s: (not s.cut, _lp(s))) if ofs else None
 
 
 def ranked_samples(samples: Sequence[Sample], t: Tally) -> list[Sample]:

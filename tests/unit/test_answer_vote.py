@@ -84,6 +84,9 @@ def test_the_reply_is_the_likeliest_sample_of_the_winning_answer() -> None:
     assert best is samples[1]
     assert agreement(samples) == (pytest.approx(2 / 3), "4")
     assert agreement([S("a", ""), S("a", "4")]) == (0.5, "4")  # no answer counts against agreement
+    cut_first = [cut("a", "4"), S("a", "4", -2.0)]
+    cut_first[0].mean_logprob = -0.1
+    assert best_sample(cut_first, "4") is cut_first[1]  # a finished text before a likelier one cut mid-sentence
 
 
 @pytest.mark.parametrize(("stream", "total", "rule", "stops_after"), [
