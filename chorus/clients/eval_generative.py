@@ -84,27 +84,42 @@ def load_gen_items(path: Path, offset: int = 0, limit: int | None = None,
     return items
 
 
+def request(text: str, chat: bool, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The path (under ``/v1``) and body that send ``text``: a user turn to chat completions, or a prompt to
+    completions stopped at the line's end (``chorus eval gsm8k --items`` sends its rows the same way)."""
+    if chat:
+        return "/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+    return "/completions", {**body, "prompt": text, "stop": ["\n"]}
+
+
+def choice_text(choice: dict[str, Any], chat: bool) -> str:
+    return (choice["message"]["content"] if chat else choice["text"]) or ""
+
+
+def first_number(text: str) -> str:
+    """A completion's answer: its first number, canonical as `extract_answer` writes numbers ("10599.0" is
+    "10599"; "" when none)."""
+    m = NUMBER.search(text)
+    return extract_answer(m.group(), "number") if m else ""
+
+
 def is_right(item: GenItem, text: str) -> bool:
     if item.chat:
         return extract_answer(text, "number") == extract_answer("The answer is " + item.answer, "number")
     if NUMBER.fullmatch(item.answer):
-        m = NUMBER.search(text)
-        return m is not None and float(m.group()) == float(item.answer)
+        got = first_number(text)
+        return got != "" and float(got) == float(item.answer)
     return text.strip().split("\n")[0].strip().lower() == item.answer.lower()
 
 
 async def answer_item(http: httpx.AsyncClient, model: str, item: GenItem, max_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    body: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": max_tokens}
-    if item.chat:
-        r = await http.post("/chat/completions", json={**body, "messages": [{"role": "user", "content": item.text}]})
-    else:
-        r = await http.post("/completions", json={**body, "prompt": item.text, "stop": ["\n"]})
+    path, body = request(item.text, item.chat, {"model": model, "temperature": 0, "max_tokens": max_tokens})
+    r = await http.post(path, json=body)
     if r.status_code != 200:
         raise SystemExit(f"chorus: {model} on item {item.id}: {r.status_code}: {r.text[:300]}")
     data = r.json()
-    choice = data["choices"][0]
-    text = (choice["message"]["content"] or "") if item.chat else choice["text"]
+    text = choice_text(data["choices"][0], item.chat)
     return {"id": item.id, "text": text, "right": int(is_right(item, text)),
             "usage_tokens": data["usage"]["total_tokens"], "calls": 1, "seconds": time.perf_counter() - t0}
 

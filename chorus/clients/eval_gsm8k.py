@@ -15,8 +15,8 @@ cost on this machine (a batch's ``n`` choices decode together, as the served str
 
 ``--items FILE`` samples another labelled set instead: JSONL rows of ``{"prompt": ..., "answer": ...}`` (the
 seeded addition set that ``chorus eval addition --write`` writes), each prompt sent as it is to
-``/v1/completions``, stopped at the line's end, its answer the first number of the completion (the addition
-eval's rule); the cache layout is the same (``--split`` names its folder), so ``chorus bench answers`` reads it.
+``/v1/completions``, stopped at the line's end, its answer the first number of the completion (the rule of
+`eval_generative`, learned routing's labelled items, whose request it shares); the cache layout is the same (``--split`` names its folder), so ``chorus bench answers`` reads it.
 
 The cache is one JSON line per request (``docs/data/gsm8k/SPLIT/MODEL.jsonl``, committed: the next session resumes it): item, kind (greedy / sample), seed,
 each choice's text, extracted answer and completion tokens, and the request's seconds. A rerun sends only
@@ -34,11 +34,11 @@ from typing import Any
 
 import httpx
 
-from chorus.ensembles.answers import compile_pattern, extract_answer
+from chorus.clients.eval_generative import choice_text, first_number, request
+from chorus.ensembles.answers import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is N", where N is a number.'
 SEED = 1_000_000
-FIRST_NUMBER = compile_pattern(r"^\D*?(-?\d+)")  # a completion's first number (the addition set's answer)
 
 
 def prompt(question: str) -> str:
@@ -84,26 +84,24 @@ def ask(client: httpx.Client, url: str, model: str, item: dict[str, Any], *, n: 
         seed: int | None, max_tokens: int) -> dict[str, Any]:
     """One request of ``n`` choices: a GSM8K question as a chat turn, or a labelled ``prompt`` as a completion
     stopped at the line's end."""
-    body: dict[str, Any] = {"model": model, "n": n, "temperature": temperature, "max_tokens": max_tokens}
-    if "prompt" in item:
-        body |= {"prompt": item["prompt"], "stop": ["\n"]}
-    else:
-        body["messages"] = [{"role": "user", "content": prompt(item["question"])}]
+    chat = "prompt" not in item
+    params: dict[str, Any] = {"model": model, "n": n, "temperature": temperature, "max_tokens": max_tokens}
     if seed is not None:
-        body["seed"] = seed
+        params["seed"] = seed
     if temperature > 0:
-        body["top_p"] = 1.0
+        params["top_p"] = 1.0
+    path, body = request(prompt(item["question"]) if chat else item["prompt"], chat, params)
     t0 = time.perf_counter()
-    r = client.post(url + ("/v1/completions" if "prompt" in item else "/v1/chat/completions"), json=body)
+    r = client.post(url + "/v1" + path, json=body)
     seconds = time.perf_counter() - t0
     r.raise_for_status()
     reply = r.json()
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     per = reply["usage"]["completion_tokens"] / max(1, len(choices))
-    texts = [(c["text"] if "prompt" in item else c["message"]["content"]) or "" for c in choices]
+    texts = [choice_text(c, chat) for c in choices]
     return {"seconds": seconds, "prompt_tokens": reply["usage"]["prompt_tokens"],
             "choices": [{"text": t, "finish_reason": c["finish_reason"],
-                         "answer": extract_answer(t, "number", FIRST_NUMBER if "prompt" in item else None),
+                         "answer": extract_answer(t, "number") if chat else first_number(t),
                          "tokens": c.get("completion_tokens", per)} for t, c in zip(texts, choices)]}
 
 
