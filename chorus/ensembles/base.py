@@ -291,4 +291,4 @@ class Ensemble:
 
     async def run(self, call: Call) -> Generation:
         choices = await collect(self.stream(call), call.logprobs)
-        return Generation(choices, call.usage.prompt_tokens, call.usage.completion_tokens)
+        return Generation(choices, call.usage.prompt_tokens, call.usage.completion_tokens, call.usage.cached_tokens)

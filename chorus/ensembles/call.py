@@ -99,15 +99,18 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     calls: int = 0
+    cached_tokens: int = 0  #: prompt tokens the members' prefix caches served
 
-    def add(self, prompt: int, completion: int, calls: int = 1) -> None:
+    def add(self, prompt: int, completion: int, calls: int = 1, cached: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.calls += calls
+        self.cached_tokens += cached
 
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens, "calls": self.calls}
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "calls": self.calls,
+                "cached_tokens": self.cached_tokens}
 
 
 @dataclass
@@ -169,9 +172,9 @@ class Call:
         msgs = messages if messages is not None else self.prompt.as_messages()
         return encode_prompt(member.engine, params, messages=member.persona(msgs) if persona else msgs)
 
-    def record(self, member: Member, prompt_tokens: int, completion_tokens: int) -> None:
-        self.usage.add(prompt_tokens, completion_tokens)
-        self.by_member.setdefault(member.label, Usage()).add(prompt_tokens, completion_tokens)
+    def record(self, member: Member, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
+        self.usage.add(prompt_tokens, completion_tokens, cached=cached_tokens)
+        self.by_member.setdefault(member.label, Usage()).add(prompt_tokens, completion_tokens, cached=cached_tokens)
 
     async def generate(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
                        **overrides: Any) -> Generation | None:
@@ -195,7 +198,7 @@ class Call:
         finally:
             span.end()
         MEMBER_CALLS.labels(self.ensemble, member.label, "ok").inc()
-        self.record(member, gen.prompt_tokens, gen.completion_tokens)
+        self.record(member, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
         return gen
 
     async def stream(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
@@ -220,7 +223,7 @@ class Call:
                                param="ensemble.members") from exc
         finally:
             await stream.aclose()
-            self.record(member, len(req.prompt_ids), completion)
+            self.record(member, len(req.prompt_ids), completion, req.cached_tokens)
             spans.usage(span, len(req.prompt_ids), completion)
             span.end()
 

@@ -95,5 +95,5 @@ async def run_arm(call: Call, arm: Ensemble, name: str) -> AsyncGenerator[Delta,
             call.members.append(replace(m, label=f"{name}/{m.label}"))
         for label, u in sub.by_member.items():
             call.by_member[f"{name}/{label}"] = u
-        call.usage.add(sub.usage.prompt_tokens, sub.usage.completion_tokens, sub.usage.calls)
+        call.usage.add(sub.usage.prompt_tokens, sub.usage.completion_tokens, sub.usage.calls, sub.usage.cached_tokens)
         call.trace["arm_trace"] = sub.final_trace()

@@ -85,7 +85,8 @@ def work_of(ensemble: Ensemble, call: Call) -> ReplyPlan:
     ones start the SSE stream at once (pings keep it open while members work) and report a failure as the
     final error event. With ``"trace": true`` the response carries an ``ensemble`` object."""
     return ReplyPlan([lambda: ensemble.run(call)], [lambda: ensemble.stream(call)],
-                usage=lambda _completion: protocol.usage(call.usage.prompt_tokens, call.usage.completion_tokens),
+                usage=lambda _completion: protocol.usage(call.usage.prompt_tokens, call.usage.completion_tokens,
+                                                         call.usage.cached_tokens),
                 trailer=lambda: {"ensemble": call.final_trace()} if ensemble.spec.trace else {},
                 prefetch=ensemble.strategy.token_level)
 

@@ -109,6 +109,8 @@ ADMIN = "sk-admin-cache"
 def server() -> Iterator[LiveServer]:
     require(importlib.util.find_spec("llama_cpp") is not None, "needs llama-cpp-python: make llama-cpp")
     config = {"models": [spec(2).model_dump(exclude_unset=True), {"name": "fake", "engine": "fake"}],
+              "ensembles": [{"name": "smol-sc", "strategy": "answer_vote", "members": ["smol-cached"], "samples": 2,
+                             "batch": 2, "trace": True}],
               "server": {"state": {"admin_sha256": hash_key(ADMIN)}}}
     with gateway(ChorusConfig.model_validate(config), timeout=300) as srv:
         yield srv
@@ -134,6 +136,30 @@ def test_usage_reports_cached_tokens_through_the_sdk(server: LiveServer) -> None
     assert response.usage is not None and response.usage.input_tokens_details.cached_tokens > 300
     text = client.completions.create(model="smol-cached", prompt=SYSTEM + " Q: hi", max_tokens=2, temperature=0)
     assert text.usage is not None and text.usage.prompt_tokens_details is not None
+
+
+def test_an_ensembles_usage_sums_its_members_cached_tokens(server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    system = SYSTEM.replace("politely", "kindly")  # a prefix no other test has cached
+
+    def usage(question: str, **extra: object) -> tuple[int, int]:
+        out = client.chat.completions.create(model="smol-sc", messages=[{"role": "system", "content": system},
+                                             {"role": "user", "content": question}], max_tokens=4, **extra)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        trace = (out.model_extra or {})["ensemble"]
+        assert trace["usage"]["cached_tokens"] == out.usage.prompt_tokens_details.cached_tokens
+        return out.usage.prompt_tokens_details.cached_tokens or 0, out.usage.prompt_tokens
+
+    assert usage(QUESTIONS[0])[0] == 0
+    cached, prompt = usage(QUESTIONS[1])
+    assert 300 < cached < prompt  # the members' shared system prompt came from the engine's prefix cache
+    stream = client.chat.completions.create(model="smol-sc", max_tokens=4, stream=True,
+                                            messages=[{"role": "system", "content": system},
+                                                      {"role": "user", "content": QUESTIONS[2]}],
+                                            stream_options={"include_usage": True})
+    last = [c for c in stream][-1]
+    assert last.usage is not None and last.usage.prompt_tokens_details is not None
+    assert last.usage.prompt_tokens_details.cached_tokens > 300
 
 
 def test_the_admin_api_drops_a_models_prefix_cache(server: LiveServer) -> None:

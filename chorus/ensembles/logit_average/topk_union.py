@@ -102,7 +102,7 @@ class TopkUnion:
                emitted: list[int]) -> None:
         for i, m in enumerate(members):
             if m.label not in dropped:
-                call.record(m, len(reqs[i].prompt_ids), self.fed[i])
+                call.record(m, len(reqs[i].prompt_ids), self.fed[i], reqs[i].cached_tokens)
 
     def union_step(self, alive: list[int], logits: list[torch.Tensor]) -> tuple[list[str], torch.Tensor]:
         """The union of the members' top-k strings and the weighted average of their distributions over it."""
