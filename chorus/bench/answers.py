@@ -114,9 +114,11 @@ def model_seconds(quiet: dict[int, Item], every: list[dict[int, Item]], models: 
     return notes
 
 
-def draw(it: Item, m: str, k: int) -> tuple[list[Sample], float, float]:
+def draw(it: Item, m: str, k: int, until: Callable[[list[Sample]], bool] | None = None
+         ) -> tuple[list[Sample], float, float]:
     """The first ``k`` samples of ``m`` (whether each finished or was cut at max_tokens), their tokens and seconds
-    (whole batches: they were drawn together)."""
+    (whole batches: they were drawn together); with ``until``, no batch after the one whose samples so far it
+    accepts (adaptive sampling's stop)."""
     samples: list[Sample] = []
     tokens = seconds = 0.0
     for b in it.samples[m]:
@@ -125,6 +127,8 @@ def draw(it: Item, m: str, k: int) -> tuple[list[Sample], float, float]:
         samples += from_answers(b.answers, m, b.finished or None)
         tokens += b.tokens
         seconds += b.seconds
+        if until is not None and until(samples):
+            break
     return samples[:k], tokens, seconds
 
 
@@ -152,16 +156,8 @@ def self_consistency(m: str, k: int, u: Unfinished = "abstain") -> Callable[[Ite
 
 def adaptive(m: str, k: int, rule: str = "beta", u: Unfinished = "abstain") -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
-        samples: list[Sample] = []
-        tokens = seconds = 0.0
-        for b in it.samples[m]:
-            samples += from_answers(b.answers, m, b.finished or None)
-            tokens += b.tokens
-            seconds += b.seconds
-            if len(samples) >= k or settled(tally(samples, unfinished=u), k - len(samples), rule)[0]:
-                break
-        return Outcome(same(tally(samples[:k], unfinished=u).winner, it.reference), len(samples[:k]), tokens,
-                       seconds)
+        samples, tokens, seconds = draw(it, m, k, lambda s: settled(tally(s, unfinished=u), k - len(s), rule)[0])
+        return Outcome(same(tally(samples, unfinished=u).winner, it.reference), len(samples), tokens, seconds)
     return run
 
 
