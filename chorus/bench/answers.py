@@ -263,12 +263,12 @@ def main(args: argparse.Namespace) -> int:
     prior = {m: accuracy(train, self_consistency(m, 4, u)) for m in (small, large)}
     drawn = [(draw(it, small, 4)[0], draw(it, large, 4)[0], it.reference) for it in train.values()]
     rows_train = [{"members": [[s.answer for s in a] for a in (x, y)],
-                   "finished": [[u == "vote" or not s.cut for s in a] for a in (x, y)], "reference": ref}
+                   "finished": [[not s.cut for s in a] for a in (x, y)], "reference": ref}
                   for x, y, ref in drawn]
     target = accuracy(train, self_consistency(large, 4, u)) * args.keep
-    fit = fit_thresholds(rows_train, target)
+    fit = fit_thresholds(rows_train, target, unfinished=u)
     target_g = accuracy(train, greedy(large)) * args.keep  # the goal's reference: the larger model's greedy answer
-    fit_g = fit_thresholds(rows_train, target_g)
+    fit_g = fit_thresholds(rows_train, target_g, unfinished=u)
     rows: list[tuple[str, Callable[[Item], Outcome]]] = [(f"{small} greedy", greedy(small)),
                                                           (f"{large} greedy", greedy(large))]
     for m, kmax in ((small, args.k_small), (large, args.k_large)):

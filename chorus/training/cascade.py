@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chorus.ensembles.voting import agreement, from_answers
+from chorus.ensembles.voting import Unfinished, agreement, from_answers, tally
 
 
 def same(a: str, b: str) -> bool:
@@ -58,23 +58,25 @@ def simulate(confs: list[list[tuple[float, bool]]], thresholds: Sequence[float])
     return right / n, escalated / n, asked / n
 
 
-def member_stats(rows: list[dict[str, Any]], compare: Callable[[str, str], bool] = same
-                 ) -> list[list[tuple[float, bool]]]:
+def member_stats(rows: list[dict[str, Any]], compare: Callable[[str, str], bool] = same,
+                 unfinished: Unfinished = "abstain") -> list[list[tuple[float, bool]]]:
     """Each row's members as (agreement, majority right). A row: ``members`` (each member's answers) and
-    optionally ``finished`` (each member's answers: ended on their own, else cut at max_tokens: those abstain
-    while another finished, as the served cascade's default ``unfinished: abstain`` decides)."""
+    optionally ``finished`` (each member's answers: ended on their own, else cut at max_tokens); ``unfinished``
+    decides as the served cascade's option does (``abstain``: cut answers do not vote while another finished)."""
     out = []
     for r in rows:
         item = []
         for answers, done in zip(r["members"], r.get("finished") or [None] * len(r["members"]), strict=True):
-            share, answer = agreement(from_answers(answers, finished=done))
+            samples = from_answers(answers, finished=done)
+            share, answer = agreement(samples, tally(samples, unfinished=unfinished))
             item.append((share, compare(answer, r["reference"])))
         out.append(item)
     return out
 
 
-def fit_thresholds(rows: list[dict[str, Any]], target: float, compare: Callable[[str, str], bool] = same) -> Fit:
-    confs = member_stats(rows, compare)
+def fit_thresholds(rows: list[dict[str, Any]], target: float, compare: Callable[[str, str], bool] = same,
+                   unfinished: Unfinished = "abstain") -> Fit:
+    confs = member_stats(rows, compare, unfinished)
     steps = len(confs[0]) - 1 if confs else 0
     grids = [sorted({item[i][0] for item in confs if item[i][0] > 0} | {1.0}) for i in range(steps)]
     best: tuple[tuple[float, ...], Fit] | None = None
@@ -120,13 +122,12 @@ def rows_from_cache(cache: Path, split: str, members: list[str], samples: int) -
 
 def main(args: argparse.Namespace) -> int:
     rows = rows_from_cache(Path(args.cache), args.split, args.member, args.samples)
-    if args.unfinished == "vote":
-        rows = [{k: v for k, v in r.items() if k != "finished"} for r in rows]  # every sample votes
     if not rows:
         raise SystemExit(f"no {args.split} item has {args.samples} cached samples of every member in {args.cache}")
-    last_alone = simulate(member_stats(rows), [2.0] * (len(args.member) - 1))[0]  # never accept early
+    never = [2.0] * (len(args.member) - 1)  # thresholds above 1: always escalate, the last member alone
+    last_alone = simulate(member_stats(rows, unfinished=args.unfinished), never)[0]
     target = args.target if args.target is not None else last_alone * args.keep
-    fit = fit_thresholds(rows, target)
+    fit = fit_thresholds(rows, target, unfinished=args.unfinished)
     write_artifact(Path(args.out), args.member, fit, answer="number", samples=args.samples,
                    source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target,
                    unfinished=args.unfinished)

@@ -18,7 +18,7 @@ from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.answers import extract_answer
 from chorus.ensembles.voting import Sample, agreement, best_sample, beta_confidence, settled, tally
-from chorus.training.cascade import fit_thresholds, write_artifact
+from chorus.training.cascade import fit_thresholds, member_stats, write_artifact
 from tests.helpers import LiveServer, gateway
 
 
@@ -241,6 +241,13 @@ def test_consistency_select_answers_with_the_member_that_agrees_with_itself(clie
                        "accuracy": [0.2, 0.6]})
     assert tie.model_extra["ensemble"]["winner"]["member"] == "torn#2"
     assert "prior accuracy" in tie.model_extra["ensemble"]["reason"]
+
+
+@pytest.mark.parametrize(("unfinished", "share", "right"), [("abstain", 1 / 3, True), ("vote", 2 / 3, False)])
+def test_the_cascade_fit_reads_cut_answers_as_the_served_rule_does(unfinished: str, share: float,
+                                                                    right: bool) -> None:
+    rows = [{"members": [["7", "18", "18"]], "finished": [[True, False, False]], "reference": "7"}]
+    assert member_stats(rows, unfinished=unfinished) == [[(pytest.approx(share), right)]]  # type: ignore[arg-type]
 
 
 def test_agreement_cascade_thresholds_round_trip_through_the_artifact(client: openai.OpenAI,
