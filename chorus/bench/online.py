@@ -82,8 +82,11 @@ def gsm8k_arms(prices: dict[str, float], tau: float) -> list[tuple[str, Callable
             ("1.5B vote k=4", sc(LARGE, 4)), (f"cascade 0.5B k=8 -> 1.5B k=4 (tau {tau:g})", cascade)]
 
 
-def gsm8k_table(cache: Path, data: Path, split: str, prices: dict[str, float], tau: float) -> Table:
+def gsm8k_table(cache: Path, data: Path, split: str, prices: dict[str, float], tau: float,
+                below: int | None = None) -> Table:
+    """The split's items with every arm's answers cached (only items numbered below ``below``, if given)."""
     items = complete(load(cache, split, [SMALL, LARGE]), {SMALL: 8, LARGE: 4})
+    items = {i: it for i, it in items.items() if below is None or i < below}
     questions = [json.loads(line)["question"] for line in (data / f"{split}.jsonl").read_text().splitlines()]
     arms = gsm8k_arms(prices, tau)
     rows = [[arm(items[i]) for _, arm in arms] for i in sorted(items)]
@@ -302,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
     out: list[str] = [f"chorus bench online (prices per million tokens: 0.5B {args.price_small:g}, 1.5B "
                       f"{args.price_large:g}; replay of logged outcomes)", ""]
     panels = []
-    g_train, g_test = (gsm8k_table(cache, data, split, prices, args.tau) for split in ("train", "test"))
+    g_train, g_test = (gsm8k_table(cache, data, split, prices, args.tau, below)
+                       for split, below in (("train", None), ("test", args.gsm8k_test_items)))
     envs = [("GSM8K, five arms (accuracy only)", g_train, g_test, 0.0)]
     if args.addition:
         a_train, a_test = addition_tables(Path(args.addition), Path(args.addition_answers), prices)
@@ -322,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gsm8k-cache", default="docs/data/gsm8k", help="chorus eval gsm8k's answer cache")
     p.add_argument("--gsm8k-data", default="../shared/data/gsm8k", help="the GSM8K questions (train/test.jsonl)")
+    p.add_argument("--gsm8k-test-items", type=int, help="only test items 0 .. N-1 (default: every cached one; the "
+                                                        "answer cache grows, this pins a table to the items it had)")
     p.add_argument("--addition", help="the addition problems (chorus eval addition --write)")
     p.add_argument("--addition-answers", help="their greedy answers per model (MODEL.jsonl, bench selector's cache)")
     p.add_argument("--requests", type=int, default=1000)
