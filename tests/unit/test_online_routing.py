@@ -16,11 +16,12 @@ import numpy as np
 import openai
 import pytest
 
+from chorus.bench.online import LARGE, SMALL, gsm8k_table
 from chorus.config import ChorusConfig
 from chorus.engines.core.base import Engine
 from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.routers.bandit import OnlinePolicy, PolicyParams, features, projection
-from tests.helpers import LiveServer, gateway
+from tests.helpers import LiveServer, gateway, require
 from tests.unit.test_shared_state import Redis, redis_server, serve, sha  # noqa: F401 (a fixture)
 
 
@@ -292,3 +293,14 @@ def test_feedback_without_its_store_is_a_503_to_retry() -> None:
     assert trace["phase"] == "safe start" and trace["learned"] == 0
     assert r.status_code == 503 and r.headers["retry-after"], r.text
     assert r.json()["error"]["code"] == "state_store_unavailable" and "retry" in r.json()["error"]["message"]
+
+
+def test_the_replay_pins_its_gsm8k_items_while_the_answer_cache_grows() -> None:
+    """`chorus bench online --gsm8k-test-items N` replays test items 0 .. N-1 only: the documented table keeps its
+    items when later sessions add answers to the committed cache."""
+    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+    require((data / "test.jsonl").is_file(), f"needs the evaluation data at {data}")
+    cache, prices = Path(__file__).resolve().parents[2] / "docs" / "data" / "gsm8k", {SMALL: 0.494, LARGE: 1.54}
+    every, pinned = (gsm8k_table(cache, data, "test", prices, 0.5, below) for below in (None, 62))
+    assert len(pinned.prompts) == 62 < len(every.prompts) and pinned.prompts == every.prompts[:62]
+    assert pinned.right.shape == (62, 5) and (pinned.right == every.right[:62]).all()
