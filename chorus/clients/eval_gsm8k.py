@@ -16,7 +16,8 @@ cost on this machine (a batch's ``n`` choices decode together, as the served str
 ``--items FILE`` samples another labelled set instead: JSONL rows of ``{"prompt": ..., "answer": ...}`` (the
 seeded addition set that ``chorus eval addition --write`` writes), each prompt sent as it is to
 ``/v1/completions``, stopped at the line's end, its answer the first number of the completion (the rule of
-`eval_generative`, learned routing's labelled items, whose request it shares); the cache layout is the same (``--split`` names its folder), so ``chorus bench answers`` reads it.
+`eval_generative`, learned routing's labelled items, whose request it shares); the cache layout is the same
+(``--split`` names its folder), so ``chorus bench answers`` reads it.
 
 The cache is one JSON line per request (``docs/data/gsm8k/SPLIT/MODEL.jsonl``, committed: the next session resumes it): item, kind (greedy / sample), seed,
 each choice's text, extracted answer and completion tokens, and the request's seconds. A rerun sends only
