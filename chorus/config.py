@@ -61,6 +61,18 @@ class SessionsSection(BaseModel):
     max_open: int = Field(default=256, ge=1, description="open sessions at most (429 beyond)")
 
 
+class PrefixCacheSection(BaseModel):
+    """Who may reuse a prefix another request stored in an engine's prefix cache (server/tenancy.py). A hit is
+    visible to the caller (``cached_tokens``, a fast first token), so a shared prefix tells one tenant what
+    another's prompt starts with: by default a prefix is reused only by requests of the key that stored it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: ``key``: only the same key; ``team``: every key of the same ``team`` (a key without one: only itself);
+    #: ``all``: every caller (one key can then test, token by token, what another key's prompts start with)
+    share: Literal["key", "team", "all"] = "key"
+
+
 class StateSection(BaseModel):
     """Where per-key windows, in-flight counts, budgets and spend live (server/key_state.py): ``memory`` (this
     process; the embedded default) or a Redis URL shared by every replica (server/redis_state.py)."""
@@ -131,6 +143,8 @@ class FeedbackSection(BaseModel):
     keep_s: float = Field(default=86_400.0, gt=0, description="a request can get feedback this long after it")
     max_requests: int = Field(default=100_000, ge=1, description="requests kept in this process (memory store)")
     max_events: int = Field(default=100_000, ge=1, description="learned outcomes kept per online router")
+    max_buffered: int = Field(default=100_000, ge=1, description="records held in memory while the state store "
+                              "is down, written when it is back (the oldest beyond this are lost, and counted)")
 
     @field_validator("metrics")
     @classmethod
@@ -152,6 +166,7 @@ class ServerSection(BaseModel):
     sessions: SessionsSection = Field(default_factory=SessionsSection)
     state: StateSection = Field(default_factory=StateSection)
     feedback: FeedbackSection = Field(default_factory=FeedbackSection)
+    prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
     #: the playground page at /playground (static files calling this server's API from the browser)
     playground: bool = True
     #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
@@ -167,6 +182,8 @@ class ApiKey(BaseModel):
     name: str = Field(min_length=1)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     models: list[str] | None = Field(default=None, description="models and ensembles it may use (default: all)")
+    team: str | None = Field(default=None, min_length=1, description="keys of one team share prefix caches "
+                             "under server.prefix_cache.share: team")
     rpm: int | None = Field(default=None, ge=1, description="requests per minute")
     tpm: int | None = Field(default=None, ge=1, description="tokens (prompt + completion) per minute")
     max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight at once")

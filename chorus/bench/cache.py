@@ -54,11 +54,12 @@ GSM = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every mo
        "egg. How much in dollars does she make every day at the farmers' market? Solve it step by step.")
 
 
-async def _ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+async def _ask(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[float, float, dict[str, Any]]:
     """(TTFT, total seconds, usage) of one streamed request."""
     t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with client.stream("POST", url + "/v1/chat/completions",
+    async with client.stream("POST", url + "/v1/chat/completions", headers=headers,
                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -72,12 +73,12 @@ async def _ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tup
     return ttft or 0.0, time.perf_counter() - t0, usage
 
 
-def ask(url: str, body: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+def ask(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, float, dict[str, Any]]:
     settle()
 
     async def main() -> tuple[float, float, dict[str, Any]]:
         async with httpx.AsyncClient(timeout=900) as client:
-            return await _ask(client, url, body)
+            return await _ask(client, url, body, headers)
 
     return asyncio.run(main())
 

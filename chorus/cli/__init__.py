@@ -123,6 +123,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.eval_facts:main",
         "chorus.clients.eval_facts:add_arguments",
     ),
+    ("eval", "gsm8k-continue"): Command(
+        "the GSM8K cache's answers cut at their cap, continued by the same model to a larger budget (resumable)",
+        "chorus.clients.eval_gsm8k_continue:main",
+        "chorus.clients.eval_gsm8k_continue:add_arguments",
+        config=False,
+    ),
     ("eval", "gsm8k"): Command(
         "GSM8K answers of served models (greedy and k samples), cached per item, for the answer-side evidence",
         "chorus.clients.eval_gsm8k:main",
@@ -154,6 +160,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "prompt caching on the llama.cpp engine, cache on against off: TTFT, a resent chat, n samples",
         "chorus.bench.cache:main",
         "chorus.bench.cache:add_arguments",
+    ),
+    ("bench", "tenants"): Command(
+        "can one key time another's prompt? a second key's TTFT on the first key's prompt, per engine",
+        "chorus.bench.tenants:main",
+        "chorus.bench.tenants:add_arguments",
     ),
     ("bench", "llama-agreement"): Command(
         "llama.cpp vs transformers on the same GGUF: top-1 agreement, logprob differences, accuracy both ways",

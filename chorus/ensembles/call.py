@@ -47,8 +47,9 @@ def with_own_sampling(members: Sequence[Member]) -> list[str]:
 def resolve_members(specs: Sequence[MemberSpec], engines: dict[str, Engine]) -> list[Member]:
     missing = sorted({s.model for s in specs if s.model not in engines})
     if missing:
-        raise InvalidRequest(f"Unknown ensemble member(s): {', '.join(missing)}. Available models: "
-                            f"{', '.join(sorted(engines))}.", param="ensemble.members")
+        # the models themselves are not listed here: a key with an allow-list sees its own in GET /v1/models
+        raise InvalidRequest(f"Unknown ensemble member(s): {', '.join(missing)}; GET /v1/models lists the models "
+                             "you may use.", param="ensemble.members")
     counts: dict[str, int] = {}
     members = []
     for i, s in enumerate(specs):

@@ -125,5 +125,5 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.state.key_state = key_state(config)
     app.state.feedback = request_book(config.server.feedback, config.server.state)
     app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission,
-                       state=app.state.key_state)  # outermost
+                       state=app.state.key_state, share=config.server.prefix_cache.share)  # outermost
     return app

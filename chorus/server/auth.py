@@ -35,6 +35,7 @@ class Principal:
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
+    team: str | None = None  #: keys of one team may share prefix caches (``server.prefix_cache.share: team``)
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0  # the sum over `tokens`, kept as they come and go (O(1) per request)
@@ -84,7 +85,7 @@ class Principal:
 class KeyStore:
     def __init__(self, keys: list[ApiKey], env_keys: str | None = None) -> None:
         self.principals = [Principal(k.name, k.sha256, frozenset(k.models) if k.models is not None else None,
-                                     k.rpm, k.tpm, k.max_concurrent) for k in keys]
+                                     k.rpm, k.tpm, k.max_concurrent, k.team) for k in keys]
         for i, item in enumerate(x.strip() for x in (env_keys or "").split(",")):
             if item:
                 name, _, raw = item.partition(":") if ":" in item else (f"env-{i + 1}", "", item)

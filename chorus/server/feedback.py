@@ -24,7 +24,6 @@ from chorus.errors import (
     FeedbackExists,
     GatewayError,
     InvalidRequest,
-    PermissionDenied,
     RequestNotFound,
     StoreUnavailable,
 )
@@ -88,15 +87,16 @@ async def join(request: Request, body: FeedbackRequest, metric: FeedbackMetric, 
     book = request.app.state.feedback
     record = await book.recall(body.request_id)
     keep_s = request.app.state.config.server.feedback.keep_s
-    if record is None:
-        FEEDBACK.labels(metric.name, "unknown_request").inc()
-        raise RequestNotFound(f"No request {body.request_id!r} to give feedback on: unknown, or older than "
-                              f"{keep_s:g} s (server.feedback.keep_s).", param="request_id")
     principal = getattr(request.state, "principal", None)
-    if record["key"] != (principal.name if principal is not None else None):
+    mine = record is not None and record["key"] == (principal.name if principal is not None else None)
+    if record is not None and not mine:
         FEEDBACK.labels(metric.name, "other_key").inc()
-        raise PermissionDenied(f"The request {body.request_id!r} was made with another key; feedback comes from "
-                               "the key that made it.", param="request_id", code="not_your_request")
+    elif record is None:
+        FEEDBACK.labels(metric.name, "unknown_request").inc()
+    if not mine:  # another key's request is as unknown as a missing one (request ids may be the client's own)
+        raise RequestNotFound(f"No request {body.request_id!r} of this key to give feedback on: unknown, made with "
+                              f"another key, or older than {keep_s:g} s (server.feedback.keep_s).",
+                              param="request_id")
     if not await book.mark(body.request_id, metric.name, value):
         FEEDBACK.labels(metric.name, "duplicate").inc()
         raise FeedbackExists(f"The request {body.request_id!r} already has feedback on {metric.name!r}.",

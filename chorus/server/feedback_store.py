@@ -11,7 +11,10 @@ Two stores, chosen by ``server.state.store`` as the key state is. `MemoryBook`: 
 expiring after ``keep_s``; written only if absent, so a reused request id cannot take over another request's
 record), ``PREFIX:fb:got:ID`` (metrics with feedback, a hash), and ``PREFIX:online:ENSEMBLE`` (a stream: the outcome log,
 trimmed to about ``max_events``). Records are written from a buffer by a background task, so a request never
-waits on Redis; one that cannot be written is counted (``chorus_feedback_records_lost_total``) and logged.
+waits on Redis. While Redis is down the records stay in that buffer (``chorus_feedback_records_buffered``) and
+are written when it answers again (retried every ``RETRY_S``, doubling to ``RETRY_MAX_S``), as the limits'
+charges are; the buffer holds at most ``feedback.max_buffered`` records, and one pushed out of it (the oldest
+first) is counted (``chorus_feedback_records_lost_total``) and logged.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from chorus.config import FeedbackSection, StateSection
 from chorus.ensembles.routers.outcomes import MemoryOutcomes, Outcomes
@@ -31,6 +34,8 @@ from chorus.ensembles.routers.outcomes import MemoryOutcomes, Outcomes
 log = logging.getLogger("chorus.feedback")
 KEPT = Counter("chorus_feedback_records_total", "answered requests kept for feedback")
 LOST = Counter("chorus_feedback_records_lost_total", "answered requests that could not be kept for feedback")
+BUFFERED = Gauge("chorus_feedback_records_buffered", "answered requests waiting to be written to the state store")
+RETRY_S, RETRY_MAX_S = 0.5, 5.0  # a failed write is retried after this, doubling up to the max
 
 
 class RequestBook(Protocol):
@@ -129,39 +134,62 @@ class RedisBook:
         self.writing: dict[str, dict[str, Any]] = {}  # the batch being written now
         self._wake = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
+        self.lost = 0  #: records pushed out of a full buffer (this process's count)
 
     def k(self, what: str, request_id: str) -> str:
         return f"{self.prefix}:fb:{what}:{request_id}"
 
     def remember(self, request_id: str, record: dict[str, Any]) -> None:
         self.pending.setdefault(request_id, record)
+        self._bound()
         self._wake.set()
 
-    async def _write(self) -> None:
-        """The pending records, in one pipeline (the drain task's, and at shutdown)."""
+    def _bound(self) -> None:
+        """At most ``max_buffered`` records wait; the oldest go first (counted as lost)."""
+        over = len(self.pending) + len(self.writing) - self.section.max_buffered
+        if over > 0:
+            for rid in list(self.pending)[:over]:
+                del self.pending[rid]
+            self.lost += over
+            LOST.inc(over)
+            log.error("feedback: the buffer is full (%d records while the state store is down); %d oldest dropped",
+                      self.section.max_buffered, over)
+        BUFFERED.set(len(self.pending) + len(self.writing))
+
+    async def _write(self) -> bool:
+        """The pending records, in one pipeline (the drain task's, and at shutdown). On failure they go back to
+        the buffer, before the ones that came meanwhile; returns whether they were written."""
         batch, self.pending = self.pending, {}
         if not batch:
-            return
+            return True
         self.writing = batch  # recall still finds them while they are on their way
         ttl = max(1, int(self.section.keep_s))
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for rid, record in batch.items():
+                for rid, record in batch.items():  # SET NX: a batch written twice (cut off, retried) counts once
                     pipe.set(self.k("req", rid), json.dumps(record), ex=ttl, nx=True)
                 await pipe.execute()
             KEPT.inc(len(batch))
+            return True
         except Exception as exc:
-            LOST.inc(len(batch))
-            log.error("feedback: %d request records not kept (Redis: %s)", len(batch), exc)
+            log.warning("feedback: %d request records wait for the state store (Redis: %s)", len(batch), exc)
+            self.pending = {**batch, **self.pending}
+            return False
         finally:
             self.writing = {}
+            self._bound()
 
     async def _run(self) -> None:
+        delay = RETRY_S
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.pending:
-                await self._write()
+                if await self._write():
+                    delay = RETRY_S
+                else:  # Redis is down: keep the records, try again later
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX_S)
 
     async def recall(self, request_id: str) -> dict[str, Any] | None:
         local = self.pending.get(request_id) or self.writing.get(request_id)
@@ -193,8 +221,9 @@ class RedisBook:
             self._drain.cancel()
             await asyncio.gather(self._drain, return_exceptions=True)
             self.pending = {**in_flight, **self.pending}
-        if self.pending:
-            await self._write()
+        if self.pending and not await self._write():
+            LOST.inc(len(self.pending))
+            log.error("feedback: %d request records not kept at shutdown (the state store is down)", len(self.pending))
         await self.redis.aclose()
 
 

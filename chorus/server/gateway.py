@@ -5,13 +5,15 @@ response), one structured access-log line, and the request metrics. For ``/v1/*`
 work: draining (503 during shutdown), the API key (401), the key's limits and budget (429 with ``Retry-After``;
 counted in the ``server.state`` store: this process, or Redis shared by every replica),
 the server-wide admission limit (503 ``server_overloaded`` with ``Retry-After``; no unbounded queue),
-and the deadline (``request_timeout_s``, lowered per request by an ``X-Chorus-Timeout`` header).
+and the deadline (``request_timeout_s``, lowered per request by an ``X-Chorus-Timeout`` header); then the prefix
+caches' tenant scope (server/tenancy.py) for everything the request runs.
 Admission is released when the response's last byte is sent (streams included).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -21,14 +23,15 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.config import Limits
-from chorus.engines.core.base import REQUEST_SCOPE
+from chorus.engines.core.base import CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
-from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded
+from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from chorus.server.auth import KeyStore, Principal
 from chorus.server.errors import error_response, for_path
 from chorus.server.key_state import KeyState, MemoryState
 from chorus.server.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 from chorus.server.resolve import Served
+from chorus.server.tenancy import Share, cache_scope, scope_secret
 
 log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -44,9 +47,11 @@ class Admission:
 
 class Gateway:
     def __init__(self, app: ASGIApp, keys: KeyStore, limits: Limits, admission: Admission,
-                 state: KeyState | None = None) -> None:
+                 state: KeyState | None = None, share: Share = "key") -> None:
         self.app = app
         self.keys = keys
+        self.share: Share = share  # server.prefix_cache.share: whose prefixes a request may reuse
+        self.secret = scope_secret(p.sha256 for p in keys.principals)
         self.state = state or MemoryState({})
         self.limits = limits
         self.admission = admission
@@ -80,7 +85,11 @@ class Gateway:
                 try:
                     principal = await self.admit(headers, state)
                     admitted = True
+                    # the prefix caches' tenant (server/tenancy.py): set here, before any route, from the key
+                    CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
                 except GatewayError as exc:
+                    if isinstance(exc, RateLimited):  # the allow-list answers before the limits and the budget
+                        exc = await self.unlisted(state.get("asking"), path, receive) or exc
                     REFUSED.labels(exc.code or exc.type).inc()
                     await for_path(path, error_response(exc))(scope, receive, send_with_id)
                     return
@@ -111,6 +120,7 @@ class Gateway:
         # Anthropic's clients send the key as x-api-key
         given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else None)
         principal = self.keys.authenticate(given) if self.keys.enabled else None
+        state["asking"] = principal
         if self.admission.inflight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)
@@ -135,3 +145,52 @@ class Gateway:
         self.admission.inflight += 1
         INFLIGHT.inc()
         return principal
+
+    async def unlisted(self, principal: Principal | None, path: str, receive: Receive) -> PermissionDenied | None:
+        """A key over its limits or budget that asks for a model its allow-list refuses gets the allow-list's 403,
+        as it would under its limits (the 403 tells it nothing it does not know; a 429 would say the model
+        exists and only the budget stands in the way). The model is read from the path (``/v1/models/{id}``) or
+        the JSON body's ``model`` and inline ``ensemble`` members; the body is read only on this refusal path."""
+        if principal is None or principal.models is None:
+            return None
+        names: list[str] = []
+        if path.startswith("/v1/models/"):
+            names.append(path.removeprefix("/v1/models/"))
+        else:
+            names.extend(await requested_models(receive, self.limits.max_body_bytes))
+        try:
+            principal.authorize(names)
+        except PermissionDenied as exc:
+            return exc
+        return None
+
+
+async def requested_models(receive: Receive, max_bytes: int) -> list[str]:
+    """The model names a JSON request body asks for (``model``, an inline ensemble's members); [] when it is not
+    JSON or is larger than ``max_bytes``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return []
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > max_bytes:
+            return []
+        if not message.get("more_body", False):
+            break
+    try:
+        body = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return []
+    if not isinstance(body, dict):
+        return []
+    names = [body["model"]] if isinstance(body.get("model"), str) else []
+    ensemble = body.get("ensemble")
+    members = ensemble.get("members") if isinstance(ensemble, dict) else None
+    for m in members if isinstance(members, list) else []:
+        name = m if isinstance(m, str) else m.get("model") if isinstance(m, dict) else None
+        if isinstance(name, str):
+            names.append(name)
+    return names

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -87,8 +87,11 @@ class MessagesRequest(BaseModel):
         out: list[dict[str, Any]] = []
         if self.system is not None:
             out.append({"role": "system", "content": text_of(self.system, "system")})
+        calls: set[str] = set()  # the tool_use ids of the previous assistant turn: what a tool_result may answer
         for i, m in enumerate(self.messages):
-            out += chat_turns(m, f"messages[{i}]")
+            turns = chat_turns(m, f"messages[{i}]", calls)
+            calls = {c["id"] for t in turns for c in t.get("tool_calls") or []}
+            out += turns
         return out
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
@@ -190,9 +193,10 @@ def check_cache_control(value: Any, where: str) -> None:
                              "prompt's prefix, least recently used first out, with no TTL).", param=where)
 
 
-def chat_turns(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+def chat_turns(m: AnthropicMessage, where: str, calls_before: Collection[str] = ()) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results become ``tool`` messages (before its text);
-    an assistant's tool_use blocks become its ``tool_calls``."""
+    an assistant's tool_use blocks become its ``tool_calls``. A tool result must answer a ``tool_use`` of the
+    previous assistant turn (``calls_before``: their ids), as Anthropic's API requires (400 otherwise)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     text: list[str] = []
@@ -212,6 +216,10 @@ def chat_turns(m: AnthropicMessage, where: str) -> list[dict[str, Any]]:
         else:  # tool_result
             if not isinstance(block.get("tool_use_id"), str):
                 raise InvalidRequest(f"{at}.tool_use_id is required.", param=f"{at}.tool_use_id")
+            if block["tool_use_id"] not in calls_before:
+                raise InvalidRequest(f"{at}.tool_use_id: unexpected tool_use_id {block['tool_use_id']!r} in a "
+                                     "tool_result block: each tool_result must answer a tool_use block of the "
+                                     "previous (assistant) message.", param=f"{at}.tool_use_id")
             content = block.get("content", "")
             body = text_of(content, f"{at}.content") if isinstance(content, list | str) else str(content)
             if block.get("is_error"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -63,9 +64,10 @@ class CompletionFields(FamilyFields):
     user: str | None = None
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
     cache_salt: str | None = Field(
-        default=None, min_length=1, max_length=256,
-        description="extension (as vLLM): a cached prompt prefix is reused only by requests with the same salt "
-                    "(a tenant's prompts stay out of another's prefix cache, and so do their timings)")
+        default=None, min_length=1, max_length=512,
+        description="extension (as vLLM): a cached prompt prefix is reused only by requests with the same salt; "
+                    "it narrows the key's own scope (keys never share prefixes unless server.prefix_cache.share "
+                    "says so)")
     ensemble: dict[str, Any] | None = Field(
         default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
@@ -169,6 +171,9 @@ class ChatCompletionRequest(CompletionFields):
     tools: list[Any] | None = None  # functions (server/tools.py)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool = Field(
+        default=False, description="extension (as vLLM): the last message is the assistant's partial answer; the "
+                                   "model continues it (its text is the prompt's end, not a finished turn)")
 
     def refuse_unsupported(self, raw: dict[str, Any]) -> None:
         unsupported.check_chat(raw, self)
@@ -183,6 +188,15 @@ class ChatCompletionRequest(CompletionFields):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        if self.continue_final_message:
+            last = self.messages[-1]
+            if last.role != "assistant" or not isinstance(last.content, str) or not last.content:
+                raise InvalidRequest("'continue_final_message' continues the last message: it must be the "
+                                     "assistant's partial answer, as a non-empty string.",
+                                     param="continue_final_message")
+            if self.tools or self.ensemble is not None:
+                raise InvalidRequest("'continue_final_message' is served on one model, without tools.",
+                                     param="continue_final_message")
         return self
 
     @property
@@ -201,9 +215,20 @@ class ChatCompletionRequest(CompletionFields):
         return self._params(self.completion_limit, self.logprobs, self.top_logprobs or 0, defaults or {})
 
     def to_generation_request(self, engine: Engine) -> GenerationRequest:
-        """This request for one engine: its chat template, its sampling defaults, the context checked."""
-        return encode_prompt(engine, self.sampling_params(engine.sampling_defaults), messages=self.message_dicts(),
-                             options=self.family_options, trace={} if self.trace else None)
+        """This request for one engine: its chat template, its sampling defaults, the context checked. With
+        ``continue_final_message`` the template renders the turns before the last one, and the assistant's partial
+        answer follows the generation prompt as text (a sampled continuation of a partial sample is a sample of
+        the whole answer)."""
+        messages = self.message_dicts()
+        params = self.sampling_params(engine.sampling_defaults)
+        if not self.continue_final_message:
+            return encode_prompt(engine, params, messages=messages, options=self.family_options,
+                                 trace={} if self.trace else None)
+        partial = engine.tokenizer.encode_text(str(messages[-1]["content"]))
+        head = encode_prompt(engine, replace(params, max_tokens=1), messages=messages[:-1])
+        whole = encode_prompt(engine, params, ids=head.prompt_ids + partial, label="the conversation",
+                              options=self.family_options, trace={} if self.trace else None)
+        return replace(whole, extra_stop=head.extra_stop)  # the template's stop strings still end the turn
 
 
 class CompletionRequest(CompletionFields):

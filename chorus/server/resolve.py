@@ -44,12 +44,32 @@ def ensembles(request: Request) -> dict[str, Ensemble]:
     return request.app.state.ensembles
 
 
+def owner_of(request: Request) -> str | None:
+    """The name of the request's key (None without keys): what owns its stored responses and held sessions."""
+    principal = getattr(request.state, "principal", None)
+    return principal.name if principal is not None else None
+
+
+def visible(request: Request) -> list[str]:
+    """The models and named ensembles the request's key may use, in the config's order: all of them without an
+    allow-list. Listings and "not found" messages show only these (a key learns nothing of the others)."""
+    principal = getattr(request.state, "principal", None)
+    names = [*engines(request), *ensembles(request)]
+    if principal is None or principal.models is None:
+        return names
+    return [n for n in names if n in principal.models]
+
+
+def not_found(request: Request, name: str) -> ModelNotFound:
+    known = ", ".join(sorted(visible(request))) or "none"
+    return ModelNotFound(f"The model '{name}' does not exist. Available models: {known}.", param="model")
+
+
 def lookup(request: Request, name: str) -> Engine:
-    """The engine named ``name``, or a 404 listing what is served (no allow-list check: see `model_for`)."""
+    """The engine named ``name``, or a 404 listing what the key may use (no allow-list check: see `model_for`)."""
     found = engines(request).get(name)
     if found is None:
-        known = ", ".join(sorted([*engines(request), *ensembles(request)])) or "none"
-        raise ModelNotFound(f"The model '{name}' does not exist. Available models: {known}.", param="model")
+        raise not_found(request, name)
     return found
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from chorus.errors import ResponseNotFound
 from chorus.server import routes
 from chorus.server.replies import json_response
+from chorus.server.resolve import owner_of
 from chorus.server.responses_shapes import ResponseEvents, ResponsesRequest, ResponseState
 
 router = APIRouter()
@@ -53,11 +54,6 @@ class ResponseStore:
     def delete(self, rid: str, owner: str | None) -> None:
         self.get(rid, owner)
         del self._items[rid]
-
-
-def owner_of(request: Request) -> str | None:
-    principal = getattr(request.state, "principal", None)
-    return principal.name if principal is not None else None
 
 
 class ResponseShape:

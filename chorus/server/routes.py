@@ -15,7 +15,7 @@ from chorus.engines.core.base import CACHE_SALT, EMBEDDINGS, TOOLS, ChoiceScorer
 from chorus.errors import InvalidRequest
 from chorus.server import ensemble_calls, protocol, tracing
 from chorus.server.replies import ReplyPlan, ReplyShape, chat_reply, completion_reply, nothing, nothing_streamed
-from chorus.server.resolve import engines, ensembles, lookup, model_for
+from chorus.server.resolve import engines, ensembles, model_for, not_found, visible
 from chorus.server.streaming import until_disconnect
 
 router = APIRouter()
@@ -81,13 +81,14 @@ async def metrics() -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(request, n) for n in [*engines(request), *ensembles(request)]]}
+    """The models and named ensembles this key may use (every one without an allow-list)."""
+    return {"object": "list", "data": [model_card(request, n) for n in visible(request)]}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, request: Request) -> dict[str, Any]:
-    if name not in ensembles(request):
-        lookup(request, name)
+    if name not in visible(request):  # another key's model is as absent as an unknown one
+        raise not_found(request, name)
     return model_card(request, name)
 
 
@@ -103,6 +104,9 @@ async def chat(request: Request, req: protocol.ChatCompletionRequest, shape: Rep
     tracing.request_attributes(req.model, req.completion_limit, req.temperature)
     ensemble = ensemble_calls.find_ensemble(request, req)
     if ensemble is not None:
+        if req.continue_final_message:
+            raise InvalidRequest("'continue_final_message' is served on one model, not on an ensemble.",
+                                 param="continue_final_message")
         return await ensemble_calls.chat(request, req, ensemble, shape)
     engine = model_for(request, req.model, body=req, generates=True)
     gen_req = req.to_generation_request(engine)

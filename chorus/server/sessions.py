@@ -40,7 +40,7 @@ import torch
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.core.base import LOGITS, Session
+from chorus.engines.core.base import CACHE_SALT, LOGITS, Session
 from chorus.engines.remote.session_wire import next_token
 from chorus.errors import (
     CapabilityMismatch,
@@ -49,7 +49,7 @@ from chorus.errors import (
     SessionBusy,
     SessionNotFound,
 )
-from chorus.server.resolve import admit, model_for
+from chorus.server.resolve import admit, model_for, owner_of
 
 log = logging.getLogger("chorus.sessions")
 API_VERSION = "2"  # the newest this worker speaks (the header on every response); v1 paths stay served
@@ -63,6 +63,8 @@ class OpenBody(BaseModel):
     model: str = Field(min_length=1)
     prompt: list[int] = Field(min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=1000, description="return the k best logprobs, not logits")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=512,
+                                   description="narrows the caller's prefix-cache scope, as on the completions API")
 
 
 class StepBody(BaseModel):
@@ -87,6 +89,7 @@ class Held:
     session: Session
     vocab_size: int
     length: int
+    owner: str | None = None  #: the key that opened it: only that key may step, read or close it
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -128,9 +131,9 @@ class SessionStore:
             log.info("freed %d idle session(s)", len(idle))
         return len(idle)
 
-    def get(self, sid: str) -> Held:
+    def get(self, sid: str, owner: str | None = None) -> Held:
         held = self.held.get(sid)
-        if held is None:
+        if held is None or held.owner != owner:  # another key's session is not there for this one
             raise SessionNotFound(f"No open session {sid!r}: it was closed, or freed after "
                                   f"{self.idle_timeout_s:g} s idle.", param="id")
         return held
@@ -173,8 +176,9 @@ async def open_session(body: OpenBody, request: Request, response: Response) -> 
                              f"{engine.max_model_len}.", param="prompt", code="context_length_exceeded")
     if len(store.held) >= store.max_open:
         raise RateLimited(f"{store.max_open} sessions are open on this worker; close some or retry.", retry_after=1.0)
+    CACHE_SALT.set(body.cache_salt)  # within the key's scope, which the gateway set (server/tenancy.py)
     session = engine.open_session()
-    held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt))
+    held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt), owner_of(request))
     store.held[held.id] = held
     try:
         async with held.lock:
@@ -209,7 +213,7 @@ async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
                 param: str) -> tuple[Held, torch.Tensor | None]:
     """Roll back, then feed ``tokens`` in one forward: the session and the logits after each token."""
     store = _store(request)
-    held = store.get(sid)
+    held = store.get(sid, owner_of(request))
     admit(request, held.model)
     if held.lock.locked():
         raise SessionBusy(f"session {sid} is still running its previous step.", param="id")
@@ -237,7 +241,7 @@ async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
 @router.delete("/{sid}")
 async def close_session(sid: str, request: Request, response: Response) -> dict[str, Any]:
     store = _store(request)
-    held = store.get(sid)
+    held = store.get(sid, owner_of(request))
     admit(request, held.model)
     store.close(sid)
     response.headers["X-Chorus-Session-API"] = API_VERSION

@@ -113,6 +113,33 @@ def test_unknown_fields_are_ignored(server: LiveServer) -> None:
     assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
 
 
+def test_continue_final_message_continues_the_assistants_partial_turn(client: openai.OpenAI,
+                                                                       fakes: dict[str, FakeEngine]) -> None:
+    """vLLM's extension: the last message is the assistant's partial answer and the model goes on from its last
+    token (the fake writes the characters that follow the prompt's last one), not from a new turn."""
+    partial = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "abc"}]
+    r = client.chat.completions.create(model="fake", messages=partial, max_tokens=3, temperature=0,
+                                       extra_body={"continue_final_message": True})
+    assert r.choices[0].message.content == "def"
+    tok = fakes["fake"].tokenizer
+    assert r.usage.prompt_tokens == len(tok.encode_chat(partial[:1]) + tok.encode_text("abc"))
+    plain = client.chat.completions.create(model="fake", messages=partial, max_tokens=3, temperature=0)
+    assert plain.choices[0].message.content != "def"  # without it the assistant's turn is a finished one
+
+
+@pytest.mark.parametrize("messages,extra", [
+    ([{"role": "user", "content": "a"}], {}),  # no partial answer to continue
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}], {}),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+     {"ensemble": {"strategy": "answer_vote", "members": ["fake"], "samples": 2}}),
+])
+def test_continue_final_message_refuses_what_it_cannot_continue(server: LiveServer, messages: list[Any],
+                                                                 extra: dict[str, Any]) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "fake", "messages": messages, "max_tokens": 2,
+                                                              "continue_final_message": True, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 # ---- errors ----
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:

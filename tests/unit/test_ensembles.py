@@ -327,7 +327,7 @@ def test_member_failure_skip_and_fail(client: openai.OpenAI) -> None:
             {"strategy": "nope", "members": ["a42", "b42"]},
             "Valid strategies: answer_vote, cascade, choice_average, consistency_select, crowd_vote, exchange_of_thought",
         ),
-        ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*Available models"),
+        ({"strategy": "crowd_vote", "members": ["a42", "zzz"]}, "Unknown ensemble member.*zzz.*GET /v1/models"),
         ({"strategy": "crowd_vote", "members": ["a42"]}, "at least 2 members"),
         ({"strategy": "crowd_vote", "candidates": []}, "candidates must not be empty"),
         ({"strategy": "crowd_vote", "members": ["a42", "b42"], "metric": "bleu"}, "metric"),

@@ -109,6 +109,30 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     assert final.content[-1].type == "tool_use" and final.content[-1].input == {"city": "Paris"}
 
 
+def test_a_tool_result_must_answer_a_tool_use_of_the_previous_turn(client: anthropic.Anthropic) -> None:
+    """Anthropic's rule: each tool_result answers a tool_use block of the assistant message just before it."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    cases = [  # (messages, the tool_use_id refused)
+        ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "18 C"}]}],
+         "toolu_2"),
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}],
+         "toolu_1"),  # no assistant turn before it at all
+        ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]},
+          {"role": "assistant", "content": "Sunny."},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "19 C"}]}],
+         "toolu_1"),  # it answered a tool_use two assistant turns back
+    ]
+    for messages, refused in cases:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            client.messages.create(model="a42", max_tokens=16, tools=[WEATHER], messages=messages, extra_body=T0)
+        body = err.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        assert refused in body["error"]["message"] and ".tool_use_id" in body["error"]["message"]
+
+
 def test_count_tokens_counts_the_prompt_the_model_reads(client: anthropic.Anthropic) -> None:
     counted = client.messages.count_tokens(model="a42", messages=ASK)
     made = client.messages.create(model="a42", max_tokens=2, messages=ASK, extra_body=T0)

@@ -167,7 +167,7 @@ def test_feedback_is_joined_to_the_decision_and_learned(server: LiveServer) -> N
     ({"request_id": "RID", "metric": "rating", "value": "5"}, "sk-alice", 400, "value", "value"),
     ({"request_id": "RID", "metric": "correct", "value": True, "note": "x"}, "sk-alice", 400, "note", "note"),
     ({"request_id": "nope", "metric": "correct", "value": True}, "sk-alice", 404, "request_id", "unknown"),
-    ({"request_id": "RID", "metric": "correct", "value": True}, "sk-bob", 403, "request_id", "another key"),
+    ({"request_id": "RID", "metric": "correct", "value": True}, "sk-bob", 404, "request_id", "another key"),
 ])
 def test_bad_feedback_is_a_4xx_naming_the_field(server: LiveServer, body: dict[str, Any], key: str, status: int,
                                                 param: str, words: str) -> None:

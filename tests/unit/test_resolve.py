@@ -35,8 +35,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/chorus/v1/sessions"): {"prompt": [1, 2]},
     ("post", "/chorus/v2/sessions"): {"prompt": [1, 2]},
 }
-#: routes on a held token session: they admit the session's model again (a key cannot use another key's session
-#: on a model it may not use)
+#: routes on a held token session: only the key that opened it finds it (another key's session is a 404, as an
+#: unknown one), and they admit the session's model again
 ON_A_SESSION: dict[tuple[str, str], dict[str, Any] | None] = {
     ("post", "/chorus/v1/sessions/{sid}/step"): {"token": 1},
     ("post", "/chorus/v2/sessions/{sid}/step"): {"tokens": [1]},
@@ -94,14 +94,14 @@ def test_each_model_route_refuses_a_model_the_key_may_not_use(server: LiveServer
 
 
 @pytest.mark.parametrize("route", sorted(ON_A_SESSION))
-def test_a_held_session_is_admitted_again_for_the_key_that_uses_it(server: LiveServer,
-                                                                   route: tuple[str, str]) -> None:
+def test_a_held_session_belongs_to_the_key_that_opened_it(server: LiveServer, route: tuple[str, str]) -> None:
     method, path = route
     base = path.split("/{sid}")[0]
     sid = httpx.post(server.url + base, json={"model": "other", "prompt": [1, 2]}, headers=ADMIN).json()["id"]
     try:
         denied = httpx.request(method, server.url + path.format(sid=sid), json=ON_A_SESSION[route], headers=LIMITED)
-        assert denied.status_code == 403, denied.text
+        assert denied.status_code == 404 and denied.json()["error"]["code"] == "session_not_found", denied.text
+        assert "other" not in denied.text  # nothing about the session is told
     finally:
         httpx.delete(server.url + f"{base}/{sid}", headers=ADMIN)
 

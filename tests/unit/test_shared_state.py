@@ -220,6 +220,49 @@ def test_redis_killed_under_load(redis_server: Redis, tmp_path: Path, policy: st
         assert wait_until(lambda: tokens_spent(a) == ok_tokens, timeout=20), (tokens_spent(a), ok_tokens)
 
 
+def test_feedback_records_wait_for_redis_and_none_is_lost(redis_server: Redis, tmp_path: Path) -> None:
+    """Requests answered while Redis is down keep their feedback records in the gateway's buffer (counted in
+    /metrics) and are written when it is back: as many records as answered requests, and feedback on one answered
+    during the outage is accepted afterwards."""
+    import redis
+
+    redis_server.flush()
+    cfg = {**config(redis_server.url), "server": {**config(redis_server.url)["server"],
+                                                  "feedback": {"metrics": [{"name": "good"}]}}}
+    with serve(cfg, tmp_path) as (a, b):
+        answered: list[str] = []
+
+        def load(n: int) -> None:
+            with cf.ThreadPoolExecutor(4) as pool:
+                for r in pool.map(lambda i: ask(a if i % 2 else b), range(n)):
+                    assert r.status_code == 200, r.text
+                    answered.append(r.headers["x-request-id"])
+
+        def buffered(url: str) -> float:
+            line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
+                        if x.startswith("chorus_feedback_records_buffered "))
+            return float(line.split()[-1])
+
+        load(8)
+        redis_server.kill()
+        load(12)
+        during = answered[-1]
+        assert wait_until(lambda: buffered(a) + buffered(b) > 0, timeout=10)
+        redis_server.start()
+        assert wait_until(lambda: buffered(a) + buffered(b) == 0, timeout=30)
+        load(4)
+        kept = redis.Redis(port=redis_server.port, decode_responses=True)
+        assert wait_until(lambda: len(kept.keys("chorus:fb:req:*")) == len(answered), timeout=20), \
+            (len(kept.keys("chorus:fb:req:*")), len(answered))
+        assert {k.removeprefix("chorus:fb:req:") for k in kept.keys("chorus:fb:req:*")} == set(answered)
+        lost = [x for url in (a, b) for x in httpx.get(url + "/metrics").text.splitlines()
+                if x.startswith("chorus_feedback_records_lost_total ")]
+        assert lost and all(float(x.split()[-1]) == 0 for x in lost)
+        r = httpx.post(a + "/v1/feedback", headers={"Authorization": "Bearer sk-k"}, timeout=10,
+                       json={"request_id": during, "metric": "good", "value": True})
+        assert r.status_code == 200, r.text
+
+
 def test_the_admin_endpoint_needs_the_admin_key(redis_server: Redis, tmp_path: Path) -> None:
     with serve(config(redis_server.url), tmp_path, n=1) as (a,):
         assert httpx.get(a + "/admin/keys/k").status_code == 401

@@ -295,6 +295,19 @@ REQUEST_SCOPE: contextvars.ContextVar[object | None] = contextvars.ContextVar("c
 #: the request's ``cache_salt`` (vLLM's field): an engine's prefix cache shares prefixes only under one salt; set by
 #: the route for everything the request runs (its sessions, an ensemble's members)
 CACHE_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_salt", default=None)
+#: the tenant the request runs for, as the prefix caches see it (an opaque token, server/tenancy.py): set by the
+#: gateway from the caller's key before any route runs, so no client field can widen it; None: unscoped
+CACHE_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_scope", default=None)
+
+
+def prefix_salt() -> str | None:
+    """What an engine's prefix cache stores a prefix under and looks it up by: the tenant scope (`CACHE_SCOPE`)
+    narrowed by the request's ``cache_salt``. Two requests share a prefix only when both are equal; None (no
+    keys, no salt) is today's shared cache of a one-user server. A remote engine sends it on as ``cache_salt``."""
+    scope, salt = CACHE_SCOPE.get(), CACHE_SALT.get()
+    if scope is None:
+        return salt
+    return scope if salt is None else f"{scope}:{salt}"
 
 
 def request_scope() -> object | None:

@@ -46,6 +46,7 @@ from chorus.engines.core.base import (
     TokenLogprob,
     TopLogprob,
     check_rollback,
+    prefix_salt,
 )
 from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.core.spec import ModelSpec
@@ -127,7 +128,7 @@ class WorkerSession:
 
     async def prefill(self, ids: Any) -> torch.Tensor:
         engine = self.engine
-        body = {"model": engine.upstream_model, "prompt": list(ids)}
+        body = engine.salted({"model": engine.upstream_model, "prompt": list(ids)})
         replica, data = await engine.post_any(sessions_url, body)
         self.replica, self.id, self.length = replica, data["id"], len(body["prompt"])
         replica.outstanding += 1  # an open session is work held on that replica
@@ -294,8 +295,8 @@ class RemoteEngine:
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
-        body = {"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "logprobs": self.remote.top_logprobs}
+        body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                            "logprobs": self.remote.top_logprobs})
         data = await self._post("/completions", body)
         top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
         if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
@@ -320,8 +321,8 @@ class RemoteEngine:
         if self.remote.api != "completions":
             raise CapabilityMismatch(f"prompt logprobs need the remote model {self.name} served with "
                                      "api: completions (echo with logprobs).", param="echo")
-        body = {"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "echo": True,
-                "logprobs": max(k, 1)}
+        body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                            "echo": True, "logprobs": max(k, 1)})
         data = await self._post("/completions", body)
         lp = data["choices"][0].get("logprobs") or {}
         values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
@@ -347,12 +348,24 @@ class RemoteEngine:
         return {"active_sessions": self.active_sessions, **self.pool.stats()}
 
     def _body(self, request: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
-        return request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
-                            api=self.remote.api)
+        path, body = request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
+                                  api=self.remote.api)
+        return path, self.salted(body)
+
+    def salted(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the request's prefix scope as ``cache_salt`` (`prefix_salt`: the tenant, narrowed by the
+        client's own salt), so a worker's prefix cache keeps tenants apart as the gateway's would. vLLM and chorus
+        workers take the field; ``remote.cache_salt: false`` leaves it out for servers that refuse it."""
+        salt = prefix_salt()
+        if salt is not None and self.remote.cache_salt:
+            body["cache_salt"] = salt
+        return body
 
     async def generate(self, request: GenerationRequest) -> Generation:
         path, body = self._body(request, stream=False)
-        return generation_from(await self._post(path, body), len(request.prompt_ids))
+        gen = generation_from(await self._post(path, body), len(request.prompt_ids))
+        request.cached_tokens = gen.cached_tokens  # what the worker's prefix cache served (usage relays it)
+        return gen
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One non-streamed call under the replicas' base URL (``/completions``, ...)."""
@@ -391,7 +404,7 @@ class RemoteEngine:
                 async with self.client.post(replica.url + path, json=body, headers=headers) as resp:
                     if resp.status != 200:
                         raise error_from(resp.status, await resp.text(errors="replace"), replica.url)
-                    async for delta in deltas_from(resp.content, self.name):
+                    async for delta in deltas_from(resp.content, self.name, request):
                         sent = True
                         yield delta
                 replica.served += 1

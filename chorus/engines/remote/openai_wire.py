@@ -72,12 +72,15 @@ def generation_from(data: dict[str, Any], prompt_tokens: int) -> Generation:
         text = c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
         choices.append(Choice(int(c.get("index", 0)), text, [], c.get("finish_reason") or "stop", None))
     usage = data.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # the worker's prefix cache
     return Generation(choices, int(usage.get("prompt_tokens", prompt_tokens)),
-                      int(usage.get("completion_tokens", 0)))
+                      int(usage.get("completion_tokens", 0)), int(cached))
 
 
-async def deltas_from(lines: AsyncIterable[bytes], model: str) -> AsyncGenerator[Delta, None]:
-    """An SSE stream of completion or chat chunks (one line per item) -> `Delta`s; an error event raises."""
+async def deltas_from(lines: AsyncIterable[bytes], model: str,
+                      request: GenerationRequest | None = None) -> AsyncGenerator[Delta, None]:
+    """An SSE stream of completion or chat chunks (one line per item) -> `Delta`s; an error event raises. The
+    usage chunk's cached prompt tokens (the worker's prefix cache) go to ``request.cached_tokens``."""
     async for raw in lines:
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data:"):
@@ -88,6 +91,9 @@ async def deltas_from(lines: AsyncIterable[bytes], model: str) -> AsyncGenerator
         event = json.loads(payload)
         if "error" in event:
             raise EngineFailed(f"{model}: upstream error: {event['error'].get('message', event['error'])}")
+        usage = event.get("usage") or {}
+        if request is not None and usage.get("prompt_tokens_details"):
+            request.cached_tokens = int(usage["prompt_tokens_details"].get("cached_tokens") or 0)
         for c in event.get("choices") or []:
             text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content") or ""
             finish = c.get("finish_reason")

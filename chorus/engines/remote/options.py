@@ -30,4 +30,6 @@ class RemoteOptions(BaseModel):
     #: token-level sessions for logit averaging: ``completions`` = top-k logprobs over /v1/completions
     #: (any OpenAI server, approximate); ``chorus`` = a chorus worker's /chorus/v1/sessions (exact logits)
     token_api: Literal["completions", "chorus"] = "completions"
-
+    #: send the request's prefix scope (tenant and client salt) as ``cache_salt``: vLLM (>= 0.9) and chorus
+    #: workers keep prefixes of different salts apart; turn it off only for a server that refuses the field
+    cache_salt: bool = True

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.core.base import CACHE_SALT, check_can_roll_back, check_extend, check_rollback, gather_ready
+from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback, gather_ready, prefix_salt
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob, resolve
@@ -185,7 +185,7 @@ class BatchRunner:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()
         job = PrefillJob(list(sessions), ids, asyncio.get_running_loop().create_future())
-        salt = CACHE_SALT.get()
+        salt = prefix_salt()
         entry, cached = self.prefix.lookup(ids, salt)
         if entry is not None:
             job.seed, job.done = (entry.layers, cached), cached
@@ -286,7 +286,7 @@ class BatchRunner:
     async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
         """Multiple-choice scoring in one forward (`ForwardPasses.score_continuations`), the prefix read from the
         prefix cache as far as it holds it, and kept there for the next question with the same prefix."""
-        salt = CACHE_SALT.get()
+        salt = prefix_salt()
         entry, cached = self.prefix.lookup(prefix, salt)
         keep = self.prefix.wants(prefix, salt)
         scores, kept = await self._on_thread(self.passes.score_continuations, prefix, continuations,
