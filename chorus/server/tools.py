@@ -83,8 +83,8 @@ def message(text: str, finish_reason: str, tools: Tools | None) -> tuple[dict[st
     """The assistant message for a choice's text, and its finish reason (``tool_calls`` when it calls)."""
     if tools is None:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
-    content, calls = tool_calls.parse(text, tools)
+    content, calls = tool_calls.parse(text, tools, cut=finish_reason == "length")
     if not calls:
-        return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+        return {"role": "assistant", "content": content, "refusal": None}, finish_reason
     msg = {"role": "assistant", "content": content, "refusal": None, "tool_calls": [c.as_openai() for c in calls]}
     return msg, "tool_calls" if finish_reason == "stop" else finish_reason

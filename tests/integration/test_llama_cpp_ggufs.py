@@ -118,7 +118,7 @@ async def case(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, int, 
     await engine.aclose()
 
 
-async def test_logits_equal_llama_cpp_pythons_alone_and_batched(case: tuple[str, int, LlamaCppEngine]) -> None:
+async def test_logits_equal_llama_cpp_pythons_alone_and_greedy_tokens_equal_batched(case: tuple[str, int, LlamaCppEngine]) -> None:
     name, threads, engine = case
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     ref = await asyncio.to_thread(reference, gguf_of(engine.spec), threads, prompts)
@@ -133,7 +133,8 @@ async def test_logits_equal_llama_cpp_pythons_alone_and_batched(case: tuple[str,
         worst["batched"] = max(worst["batched"], float(np.abs(br - rr).max()))
     print(f"{name} threads={threads}: max |logit - llama-cpp-python's| alone {worst['alone']:.4g}, "
           f"batched {worst['batched']:.4g}")
-    assert worst["alone"] <= ALONE_ATOL
+    assert worst["alone"] <= ALONE_ATOL  # alone: the same logits (to float rounding)
+    # batched: the same greedy tokens (asserted above); the logits only close, within the kernels' rounding
     assert worst["batched"] < BATCHED_ATOL
 
 

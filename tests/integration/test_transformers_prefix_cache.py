@@ -82,13 +82,17 @@ async def test_a_salt_or_a_small_budget_computes_everything(smol_engine: Transfo
 
     await smol_engine.drop_prefix_cache()
     ids = chat(smol_engine, QUESTIONS[2])
+    store = smol_engine.runner.prefix
     await prefill(smol_engine, ids)
+    assert store.held_tokens == len(ids)  # the first prompt was stored (without a salt)
     token = CACHE_SALT.set("tenant-b")
     try:
         assert (await prefill(smol_engine, ids))[1] == 0  # stored without a salt: not tenant-b's
+        assert (await prefill(smol_engine, ids))[1] == len(ids) - 1  # tenant-b's own, stored just now: a hit
     finally:
         CACHE_SALT.reset(token)
-    store, smol_engine.runner.prefix = smol_engine.runner.prefix, PrefixStore(64 << 10)  # less than this prompt
+    assert (await prefill(smol_engine, ids))[1] == len(ids) - 1  # the unsalted entry still serves unsalted requests
+    smol_engine.runner.prefix = PrefixStore(64 << 10)  # less than this prompt
     try:
         await prefill(smol_engine, ids)
         assert (await prefill(smol_engine, ids))[1] == 0 and smol_engine.runner.prefix.entries == []

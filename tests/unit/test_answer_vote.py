@@ -200,8 +200,12 @@ def test_two_members_vote_together_and_n_gives_distinct_answers(client: openai.O
     trace = r.model_extra["ensemble"]
     assert trace["histogram"] == {"41": 3, "42": 3, "7": 2}
     assert trace["answer_type"] == "number" and trace["answer_rule"] == "'how many' / 'how much'"
-    # 41 and 42 tie at 3 votes: the likelier samples' answer wins (the trace says so); n = 3: each answer's best
-    assert trace["winner"]["answer"] in ("41", "42") and "tie broken by" in trace["reason"]
+    # 41 and 42 tie at 3 votes; the fakes' samples are all certain (mean log-probability 0), so the log-probability
+    # rule cannot part them and the first seen wins: torn's 41 (sample 2) before sure's 42 (sample 5). The table
+    # test above parts a tie by log-probability. n = 3: each answer's best sample
+    assert [s["mean_logprob"] for s in trace["samples"]] == [0.0] * 8
+    assert trace["winner"] == {"answer": "41", "member": "torn"}
+    assert trace["reason"] == "answer '41' has 3 of 8 votes (tie broken by first seen)"
     assert {c.message.content for c in r.choices} == {RIGHT, WRONG, OTHER}
     assert trace["histogram"][trace["winner"]["answer"]] == 3
 
@@ -441,8 +445,12 @@ def test_eval_gsm8k_caches_answers_and_resumes(tmp_path: Path) -> None:
             (0, "greedy", None), (0, "sample", 1_000_000), (1, "greedy", None), (1, "sample", 1_001_000)]
         assert rows[1]["reference"] == "42" and len(rows[1]["choices"]) == 4
         assert rows[0]["choices"][0]["answer"] == "42"  # the chat reply's last number
+        sent = engine.opened  # the engine's sessions: one per greedy answer, n per sampling request
         assert run("--cache", str(tmp_path / "c")) == 0  # resumed: nothing missing, nothing sent
-        assert len((tmp_path / "c" / "test" / "m.jsonl").read_text().splitlines()) == 4
+        assert engine.opened == sent and len((tmp_path / "c" / "test" / "m.jsonl").read_text().splitlines()) == 4
+        assert run("--cache", str(tmp_path / "c"), "--k", "8") == 0  # extended: only the new samples are sent
+        more = [json.loads(x) for x in (tmp_path / "c" / "test" / "m.jsonl").read_text().splitlines()][4:]
+        assert [(r["item"], r["seed"]) for r in more] == [(0, 1_000_004), (1, 1_001_004)] and engine.opened > sent
         assert run("--cache", str(tmp_path / "a"), "--items", str(tmp_path / "add.jsonl")) == 0
         add = [json.loads(x) for x in (tmp_path / "a" / "test" / "m.jsonl").read_text().splitlines()]
         assert add[0]["choices"][0]["text"] == " 42 and more"  # a completion, stopped at the line's end

@@ -5,7 +5,6 @@ OpenRouter's ``plugins: [{"id": "fusion", ...}]`` request shape."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,15 +63,14 @@ def ask(sdk: OpenAI, model: str, ensemble: dict[str, Any] | None = None, **extra
 
 
 def test_quorum_answers_without_waiting_for_the_slow_proposer(sdk: OpenAI, engines: dict[str, FakeEngine]) -> None:
-    start = time.monotonic()
     r = ask(sdk, "panel")
-    took = time.monotonic() - start
     t = r.model_extra["ensemble"]
     layer = t["quorum"]["layers"][0]
     assert layer["replied"] == ["fast-a", "fast-b"] and layer["late"] == ["slow"] and layer["failed"] == []
     assert [p["member"] for p in t["layers"][0]] == ["fast-a", "fast-b"]  # the judge read the two that came
-    assert took < 0.05 * len("I think it is Paris, France." * 4) / 2  # far less than the slow one needs
-    assert wait_until(lambda: engines["slow"].active_sessions == 0)  # the late call was cancelled, its KV freed
+    # the reply did not wait for the slow proposer: it is reported late, and its call was cancelled (KV freed)
+    # before it finished its answer, so none of its tokens are charged (speed itself: benchmarks, not tests)
+    assert wait_until(lambda: engines["slow"].active_sessions == 0)
     assert t["usage_by_member"].keys() == {"fast-a", "fast-b", "aggregator:judge"}
 
 

@@ -82,9 +82,11 @@ def test_ensembles_named_and_in_the_body(client: anthropic.Anthropic) -> None:
     assert "42" in voted.content[0].text
     trace = (voted.model_extra or {}).get("ensemble")
     assert trace is not None and trace["winner"]["answer"] == "42"
+    # the body's ensemble serves, not the model it names: b42's words, never a42's own
     inline = client.messages.create(model="a42", max_tokens=64, messages=ASK, extra_body={
-        **T0, "ensemble": {"strategy": "crowd_vote", "members": ["a42", "b42"]}})
-    assert "42" in inline.content[0].text
+        **T0, "ensemble": {"strategy": "crowd_vote", "members": ["b42", "b42"], "trace": True}})
+    assert inline.content[0].text == "The answer is 42."
+    assert (inline.model_extra or {}).get("ensemble", {}).get("strategy") == "crowd_vote"
     with client.messages.stream(model="vote", max_tokens=64, messages=ASK, extra_body=T0) as stream:
         assert "42" in "".join(stream.text_stream)
 

@@ -263,6 +263,58 @@ def test_feedback_records_wait_for_redis_and_none_is_lost(redis_server: Redis, t
         assert r.status_code == 200, r.text
 
 
+async def test_a_feedback_batch_cut_off_at_shutdown_is_written_again(redis_server: Redis) -> None:
+    """The drain task is cancelled at shutdown while its batch is on the wire: the batch goes back to the buffer
+    and is written by the close (SET NX: written once even if the cut-off write had landed)."""
+    import asyncio
+
+    import redis
+
+    from chorus.config import FeedbackSection, StateSection
+    from chorus.server.feedback_store import RedisBook
+
+    redis_server.flush()
+    book = RedisBook(FeedbackSection(), StateSection(store=redis_server.url))
+    on_the_wire = asyncio.Event()
+    real_pipeline = book.redis.pipeline
+
+    class Stuck:  # the first pipeline hangs in execute(), as a write cut off by shutdown does
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __aenter__(self) -> Stuck:
+            await self.inner.__aenter__()
+            return self
+
+        async def __aexit__(self, *exc: Any) -> None:
+            await self.inner.__aexit__(*exc)
+
+        def set(self, *a: Any, **kw: Any) -> None:
+            self.inner.set(*a, **kw)
+
+        async def execute(self) -> None:
+            on_the_wire.set()
+            await asyncio.Event().wait()
+
+    calls = {"n": 0}
+
+    def pipeline(**kw: Any) -> Any:
+        calls["n"] += 1
+        return Stuck(real_pipeline(**kw)) if calls["n"] == 1 else real_pipeline(**kw)
+
+    book.redis.pipeline = pipeline  # type: ignore[method-assign]
+    await book.start()
+    book.remember("cut-1", {"key": "k", "model": "fake"})
+    book.remember("cut-2", {"key": "k", "model": "fake"})
+    await asyncio.wait_for(on_the_wire.wait(), 5)
+    assert book.writing.keys() == {"cut-1", "cut-2"} and not book.pending
+    book.remember("late", {"key": "k", "model": "fake"})  # answered while the batch hung
+    await book.aclose()
+    kept = redis.Redis(port=redis_server.port, decode_responses=True)
+    assert sorted(kept.keys("chorus:fb:req:*")) == ["chorus:fb:req:cut-1", "chorus:fb:req:cut-2", "chorus:fb:req:late"]
+    assert calls["n"] == 2  # the cut-off batch and the late record, written together at close
+
+
 def test_the_admin_endpoint_needs_the_admin_key(redis_server: Redis, tmp_path: Path) -> None:
     with serve(config(redis_server.url), tmp_path, n=1) as (a,):
         assert httpx.get(a + "/admin/keys/k").status_code == 401

@@ -181,3 +181,40 @@ def test_model_cards_say_how_functions_reach_a_model(server: LiveServer) -> None
     cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
     assert "tools" in cards["caller"]["capabilities"] and cards["caller"]["tool_format"] == "json"
     assert "structured_outputs" in cards["caller"]["capabilities"]
+
+
+LOOP = '[{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_time", "arguments": {"zone": "utc"}}, {"na'
+
+
+@pytest.mark.parametrize(("text", "choice", "cut", "content", "zones"), [
+    (LOOP, "required", True, None, ["utc"]),  # a list cut short: its completed calls, a repeat counted once
+    (LOOP, "auto", True, None, ["utc"]),
+    ('[{"name": "get_time", "arguments": {"zo', "required", True, None, []),  # none completed: no grammar text
+    ('[{"name": "get_time", "arguments": {"zo', "auto", True, '[{"name": "get_time", "arguments": {"zo', []),
+    ('Let me see. <tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>\n<tool_call>\n{"na',
+     "required", True, "Let me see.", ["cet"]),  # native: the unclosed block is dropped
+    ('<tool_call>\n{"name": "get_ti', "required", True, None, []),
+    (LOOP.rsplit(", {", 1)[0] + "]", "required", False, None, ["utc"]),  # finished with two identical calls: one
+    (LOOP, "required", False, LOOP, []),  # not cut: an unfinished list is text, as before
+])
+def test_a_cut_answer_keeps_the_calls_it_completed(text: str, choice: str, cut: bool, content: str | None,
+                                                   zones: list[str]) -> None:
+    tools = Tools(json.dumps([t["function"] for t in TOOLS]), choice=choice)
+    got_content, calls = tool_calls.parse(text, tools, cut=cut)
+    assert got_content == content and [c.arguments["zone"] for c in calls] == zones
+
+
+def test_a_cut_call_list_through_an_ensemble_replies_with_the_call() -> None:
+    """Served: a fake that loops on one call until max_tokens cuts it, alone and as a crowd vote's members."""
+    looping = FakeEngine("looping", script=LOOP + 'me": "get_time", "arguments": {"zone": "utc"}}]',
+                         max_model_len=2048)
+    with serve_fakes({"looping": looping}, [{"name": "loop-vote", "strategy": "crowd_vote",
+                                             "members": ["looping", "looping"]}]) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for model in ("looping", "loop-vote"):
+            out = c.chat.completions.create(model=model, messages=USER, tools=[TIME], tool_choice="auto",
+                                            temperature=0, max_tokens=len(LOOP))
+            choice = out.choices[0]
+            assert choice.finish_reason == "length" and choice.message.content is None, model
+            assert [json.loads(t.function.arguments) for t in choice.message.tool_calls or []] == [{"zone": "utc"}]
+

@@ -154,27 +154,73 @@ def constraint(tools: Tools, native: bool, tags: tuple[str, str] = TEXT_TAGS) ->
     return Constraint("grammar", f"start: call{more}\ncall: {block}", param="tool_choice")
 
 
-def parse(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
+def parse(text: str, tools: Tools, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a model's answer in either format. Calls must name an offered function with
-    arguments valid for its schema; anything else stays text."""
+    arguments valid for its schema; anything else stays text. Identical calls in one answer count once (a model
+    that writes the same call again is looping, not asking twice).
+
+    ``cut``: the answer ended at ``max_tokens``. Then the calls it completed are kept (a JSON list cut after its
+    second call holds two; a native block without its closing tag is dropped), and under a forced choice
+    (``required``, a named function) the grammar's unfinished text is never the content: the reply is the
+    completed calls, or nothing."""
+    forced = tools.choice != "auto"
     blocks = NATIVE_CALL.findall(text)
     if blocks:
         calls = [_checked(b, tools) for b in blocks]
         if all(c is not None for c in calls):
-            content = NATIVE_CALL.sub("", text).strip()
-            return content or None, [c for c in calls if c is not None]
+            content = NATIVE_CALL.sub("", text)
+            if cut:
+                content = content.split("<tool_call>", 1)[0]  # an unfinished block: not content
+            return content.strip() or None, distinct([c for c in calls if c is not None])
         return text, []
     stripped = FENCE.sub(r"\1", text.strip())  # small models often wrap the JSON in a markdown code block
     if stripped.startswith(("[", "{")):
         try:
             data = json.loads(stripped)
         except json.JSONDecodeError:
-            return text, []
+            if not cut:
+                return text, []
+            done = completed_items(stripped)
+            calls = [_checked(item, tools) for item in done]
+            if done and all(c is not None for c in calls):
+                return None, distinct([c for c in calls if c is not None])
+            return (None if forced else text), []
         items = data if isinstance(data, list) else [data]
         calls = [_checked(item, tools) for item in items] if items else [None]
         if all(c is not None for c in calls):
-            return None, [c for c in calls if c is not None]
+            return None, distinct([c for c in calls if c is not None])
+    if cut and forced and (not stripped or stripped.startswith("<tool_call>")):
+        return None, []  # the grammar's opening of a call, cut before it closed
     return text, []
+
+
+def distinct(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls without repeats (same name, same arguments), first occurrence kept."""
+    seen: set[str] = set()
+    out = []
+    for c in calls:
+        if c.key not in seen:
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+def completed_items(text: str) -> list[Any]:
+    """The complete JSON values at the start of a JSON list cut short (``[{...}, {...}, {"na`` -> the first
+    two); a single object cut short has none."""
+    if not text.startswith("["):
+        return []
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    pos = 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items
+        items.append(value)
 
 
 def canonical(text: str, tools: Tools) -> str:
