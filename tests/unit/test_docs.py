@@ -37,3 +37,14 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert pages == set(re.findall(r":\s+(\S+\.md)", nav))
+
+
+def test_the_readmes_measured_table_is_made_from_the_data_files() -> None:
+    """scripts/measured-table --check: the README's table equals the one made from docs/data, and every number a
+    text row quotes appears in its sources (a headline cannot drift from the data or pick a number it lacks)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "scripts/measured-table", "--check"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
