@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean
+.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -103,3 +103,10 @@ gpu-wheels: install
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# the CPU image from the real Dockerfile, built with podman on a Debian base made here (mmdebstrap), then run as a
+# user deploys it: healthy, answering through the openai SDK as the non-root user, SIGTERM -> exit 0, a second
+# start on the same cache volume, no keys -> 127.0.0.1 only (scripts/image; docs/deployment.md). Needs Debian's
+# podman, runc, buildah and mmdebstrap (CI installs them).
+image: install
+	PY=$(abspath $(BIN))/python bash scripts/image

@@ -104,3 +104,25 @@ def test_every_k8s_resource_validates_against_the_kubernetes_schema() -> None:
     assert len(objs) >= 10
     for obj in objs:
         kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_vllm_is_pinned_and_every_flag_deploy_passes_it_exists_in_that_version() -> None:
+    """deploy/ runs vLLM at the version the vllm extra pins (pyproject.toml); each flag it passes is one of that
+    version's `vllm serve` flags (docs/data/image/vllm-0.30.0-flags.txt, read from its wheel's sources: a
+    `vllm serve --help` cannot run here)."""
+    import re
+
+    root = DEPLOY.parent
+    pin = re.search(r'vllm = \["vllm==([0-9.]+)"\]', (root / "pyproject.toml").read_text())
+    assert pin is not None
+    version = pin.group(1)
+    known = set((root / "docs" / "data" / "image" / f"vllm-{version}-flags.txt").read_text().split())
+    compose = docs(DEPLOY / "compose.yaml")[0]["services"]
+    k8s = [d for d in docs(DEPLOY / "k8s" / "vllm.yaml") if d.get("kind") == "StatefulSet"]
+    args = [(name, s["image"], s["command"]) for name, s in compose.items() if "vllm" in s.get("image", "")]
+    args += [(c["name"], c["image"], c["args"]) for d in k8s for c in d["spec"]["template"]["spec"]["containers"]]
+    assert args, "no vLLM container found under deploy/"
+    for name, image, argv in args:
+        assert image == f"vllm/vllm-openai:v{version}", (name, image)
+        flags = [a for a in argv if isinstance(a, str) and a.startswith("--")]
+        assert flags and set(flags) <= known, (name, sorted(set(flags) - known))
