@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image
+.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image stack-test
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -110,3 +110,10 @@ clean:
 # podman, runc, buildah and mmdebstrap (CI installs them).
 image: install
 	PY=$(abspath $(BIN))/python bash scripts/image
+
+# the CPU stack of deploy/stack/compose.yaml (two gateways sharing Redis, a chorus worker) brought up with
+# podman-compose and loaded through both gateways: one rpm window, exact spend, the worker killed mid-load
+# (scripts/stack-test; needs `make image` first)
+stack-test: install
+	$(BIN)/python -m pip install -q 'podman-compose>=1.2'
+	PY=$(abspath $(BIN))/python bash scripts/stack-test

@@ -91,7 +91,9 @@ class Drawer:
         """``count`` more samples of member ``m`` (one request of n = count); none when the member failed (its
         error is in the trace, or raised with ``on_member_error: fail``)."""
         have = len(self.samples.setdefault(m.label, []))
-        over: dict[str, Any] = {"n": count, "logprobs": True, "top_logprobs": 0}
+        # log-probabilities break ties; a member whose engine does not relay them (a remote worker) votes without
+        # them (its samples tie-break as first seen) rather than failing the request
+        over: dict[str, Any] = {"n": count, "logprobs": getattr(m.engine, "relays_logprobs", True), "top_logprobs": 0}
         if m.spec.temperature is None and self.p.temperature is not None:
             over["temperature"] = self.p.temperature
         if self.seed is not None and m.spec.seed is None:

@@ -455,3 +455,27 @@ def test_eval_gsm8k_caches_answers_and_resumes(tmp_path: Path) -> None:
         add = [json.loads(x) for x in (tmp_path / "a" / "test" / "m.jsonl").read_text().splitlines()]
         assert add[0]["choices"][0]["text"] == " 42 and more"  # a completion, stopped at the line's end
         assert add[0]["choices"][0]["answer"] == "42" and add[0]["reference"] == "42"
+
+
+def test_a_member_that_relays_no_logprobs_votes_without_them() -> None:
+    """A remote worker's generations carry no token log-probabilities (and it refuses a request for them): an
+    answer vote over it asks for none, and its tie-break falls to the first seen."""
+    from chorus.engines.core.base import Generation, GenerationRequest
+    from chorus.errors import InvalidRequest
+    from tests.helpers import serve_fakes
+
+    class NoLogprobs(FakeEngine):
+        relays_logprobs = False
+
+        async def generate(self, request: GenerationRequest) -> Generation:
+            if request.params.logprobs:
+                raise InvalidRequest("logprobs are not relayed from the remote model.", param="logprobs")
+            return await super().generate(request)
+
+    remote = NoLogprobs("remote", replies=[RIGHT, RIGHT, WRONG], sharpness=100.0, max_model_len=4000)
+    with serve_fakes({"remote": remote}) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        r = ask(c, {"strategy": "answer_vote", "members": ["remote"], "samples": 3}, model="remote")
+        trace = r.model_extra["ensemble"]
+        assert trace["winner"]["answer"] == "42" and trace["histogram"] == {"42": 2, "41": 1}
+        assert all(s["mean_logprob"] is None for s in trace["samples"])

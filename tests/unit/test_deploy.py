@@ -31,6 +31,8 @@ def test_configs_validate() -> None:
     cm = find("ConfigMap", "chorus-config")
     for key in ("gateway.yaml", "worker.yaml"):
         ChorusConfig.model_validate(yaml.safe_load(cm["data"][key]))
+    for name in ("gateway.yaml", "worker.yaml"):  # the CPU stack's (scripts/stack-test brings it up)
+        ChorusConfig.model_validate(yaml.safe_load((DEPLOY / "stack" / name).read_text()))
 
 
 def test_compose_wiring() -> None:

@@ -171,6 +171,7 @@ class WorkerSession:
 
 class RemoteEngine:
     capabilities = frozenset({TEXT, STREAM, STRUCTURED})  # formats are sent on
+    relays_logprobs = False  # a generation's token logprobs are not relayed (answer votes tie-break without them)
 
     def __init__(self, spec: ModelSpec, tokenizer: Any) -> None:
         assert isinstance(spec.options, RemoteOptions)
