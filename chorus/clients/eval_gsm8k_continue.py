@@ -57,9 +57,17 @@ def continue_one(client: httpx.Client, url: str, model: str, question: str, row:
         # a fresh stream for the rest of the sample (any seed draws a valid continuation; this one is reproducible)
         body["seed"] = (row["seed"] or SEED) + 500 + choice
         body["top_p"] = 1.0
-    t0 = time.perf_counter()
-    r = client.post(url + "/v1/chat/completions", json=body)
-    seconds = time.perf_counter() - t0
+    for attempt in range(3):  # a 5xx or a dropped connection (a paused or restarted server) is tried again
+        t0 = time.perf_counter()
+        try:
+            r = client.post(url + "/v1/chat/completions", json=body)
+        except httpx.TransportError:
+            if attempt == 2:
+                raise
+            continue
+        seconds = time.perf_counter() - t0
+        if r.status_code < 500 or attempt == 2:
+            break
     r.raise_for_status()
     reply = r.json()
     text = reply["choices"][0]["message"]["content"] or ""

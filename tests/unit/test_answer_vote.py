@@ -479,3 +479,36 @@ def test_a_member_that_relays_no_logprobs_votes_without_them() -> None:
         trace = r.model_extra["ensemble"]
         assert trace["winner"]["answer"] == "42" and trace["histogram"] == {"42": 2, "41": 1}
         assert all(s["mean_logprob"] is None for s in trace["samples"])
+
+
+def test_eval_gsm8k_continue_finishes_cut_answers_once(tmp_path: Path) -> None:
+    """`chorus eval gsm8k-continue`: each cut answer of the cache is continued from its partial text (the assistant's
+    prefix, continue_final_message) to the budget, once; a rerun sends nothing."""
+    import argparse
+
+    from chorus.clients import eval_gsm8k_continue
+    from tests.helpers import serve_fakes
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "Q0?", "answer": "x\n#### 42"}) + "\n")
+    cache = tmp_path / "c" / "test"
+    cache.mkdir(parents=True)
+    row = {"item": 0, "kind": "greedy", "seed": None, "temperature": 0.0, "max_tokens": 4, "reference": "42",
+           "choices": [{"text": "abc", "finish_reason": "length", "answer": "", "tokens": 4}]}
+    (cache / "m.jsonl").write_text(json.dumps(row) + "\n")
+    engine = FakeEngine("m", max_model_len=4000)  # writes the characters after the prompt's last one
+
+    def run() -> int:
+        parser = argparse.ArgumentParser()
+        eval_gsm8k_continue.add_arguments(parser)
+        return eval_gsm8k_continue.main(parser.parse_args(
+            ["--url", srv.url, "--model", "m", "--data-dir", str(tmp_path), "--cache", str(tmp_path / "c"),
+             "--budget", "10"]))
+
+    with serve_fakes({"m": engine}) as srv:
+        assert run() == 0
+        rows = [json.loads(x) for x in (cache / "m.continued.jsonl").read_text().splitlines()]
+        assert len(rows) == 1 and rows[0]["choice"] == 0 and rows[0]["tokens"] == 6  # 10 - the 4 drawn
+        assert rows[0]["text"] == "defghi"  # the fake goes on from the partial answer's last character
+        sent = engine.opened
+        assert run() == 0 and engine.opened == sent  # resumed: nothing left to continue
