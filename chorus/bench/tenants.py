@@ -31,12 +31,14 @@ from chorus.bench.cache import QUESTIONS, ask, system_prompt
 from chorus.bench.llama import paired_ratio
 from chorus.clients.local import free_port, wait_ready
 
+
+def hash_key(raw: str) -> str:
+    """A key's SHA-256 as the config stores it (server/auth.py's rule; the bench layer does not import server)."""
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
 KEYS = {"alpha": "sk-bench-alpha", "bravo": "sk-bench-bravo"}
 ENGINES = ("llama_cpp", "transformers", "remote")
-
-
-def sha(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 def serve(stack: ExitStack, tmp: Path, command: str, config: dict[str, Any], env: dict[str, str]) -> str:
@@ -72,7 +74,7 @@ def model_entry(engine: str, args: argparse.Namespace, stack: ExitStack, tmp: Pa
     if engine == "transformers":
         return local
     worker = serve(stack, tmp, "worker", {"models": [local], "auth": {"keys": [
-        {"name": "gateway", "sha256": sha("sk-bench-gateway")}]}}, env)
+        {"name": "gateway", "sha256": hash_key("sk-bench-gateway")}]}}, env)
     return {"name": "smol", "engine": "remote", "max_model_len": 4096,
             "remote": {"replicas": [worker + "/v1"], "model": "smol", "tokenizer": str(base.checkpoint_dir()),
                        "api_key_env": "CHORUS_BENCH_WORKER_KEY", "read_timeout_s": 600}}
@@ -108,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
             tmp = Path(tmpdir)
             entry = model_entry(engine, args, stack, tmp, env)
             url = serve(stack, tmp, "serve", {"models": [entry], "server": {"prefix_cache": {"share": args.share}},
-                                              "auth": {"keys": [{"name": k, "sha256": sha(v)}
+                                              "auth": {"keys": [{"name": k, "sha256": hash_key(v)}
                                                                 for k, v in KEYS.items()]}}, env)
             print(f"chorus bench tenants: {args.model} on {engine}, share: {args.share}, {args.rounds} rounds",
                   flush=True)

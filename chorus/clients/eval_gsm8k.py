@@ -137,11 +137,17 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def cache_arguments(p: argparse.ArgumentParser, model_help: str) -> None:
+    """The options every command over the GSM8K answer cache takes: the server, its models, the data, the cache."""
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running chorus")
-    p.add_argument("--model", action="append", required=True, help="a served model (repeat for several)")
+    p.add_argument("--model", action="append", required=True, help=model_help)
     p.add_argument("--data-dir", default="../shared/data", help="holds gsm8k/train.jsonl and gsm8k/test.jsonl")
     p.add_argument("--split", choices=["train", "test"], default="test")
+    p.add_argument("--cache", default="docs/data/gsm8k", help="the answer cache (a rerun sends only what is missing)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cache_arguments(p, "a served model (repeat for several)")
     p.add_argument("--items", help="sample this JSONL of {prompt, answer} rows instead of GSM8K's split (e.g. the "
                                    "addition set of `chorus eval addition --write`); --split names its cache folder")
     p.add_argument("--start", type=int, default=0, help="first item (0-based line of the split's file)")
@@ -152,4 +158,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--no-greedy", action="store_true", help="samples only")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--cache", default="docs/data/gsm8k", help="the answer cache (a rerun sends only what is missing)")

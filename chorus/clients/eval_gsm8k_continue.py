@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from chorus.clients.eval_gsm8k import SEED, cache_path, items, prompt, read, same_number
+from chorus.clients.eval_gsm8k import SEED, cache_arguments, cache_path, items, prompt, read, same_number
 from chorus.ensembles.answers import extract_answer
 
 
@@ -91,11 +91,12 @@ def main(args: argparse.Namespace) -> int:
             todo = [(r, c) for r, c in todo if r["item"] < args.items]
         last = max(r["item"] for r in rows)
         questions = {it["index"]: it["question"] for it in items(Path(args.data_dir), args.split, 0, last + 1)}
+        references = {r["item"]: r["reference"] for r in rows}
         print(f"{args.split} {model}: {len(todo)} cut answers to continue to {args.budget} tokens", file=sys.stderr,
               flush=True)
         with httpx.Client(timeout=args.timeout) as client, out_path.open("a") as out, \
                 ThreadPoolExecutor(args.concurrency) as pool:
-            # item by item, so a stopped run leaves whole items behind it
+            # written in the order of the cache (pool.map keeps it), one line as each comes
             def one(rc: tuple[dict[str, Any], int], model: str = model,
                     questions: dict[int, str] = questions) -> dict[str, Any]:
                 return continue_one(client, args.url, model, questions[rc[0]["item"]], rc[0], rc[1], args.budget)
@@ -103,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
             for got in pool.map(one, todo):
                 out.write(json.dumps(got) + "\n")
                 out.flush()
-                right = same_number(got["answer"], next(r["reference"] for r in rows if r["item"] == got["item"]))
+                right = same_number(got["answer"], references[got["item"]])
                 print(f"{args.split} {model} item {got['item']} {got['kind']} choice {got['choice']}: +{got['tokens']} "
                       f"tokens, {got['finish_reason']}, {'right' if right else 'wrong'}, {got['seconds']:.1f}s",
                       file=sys.stderr, flush=True)
@@ -111,12 +112,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running chorus serving the cache's models")
-    p.add_argument("--model", action="append", required=True, help="a served model whose cache to continue")
-    p.add_argument("--data-dir", default="../shared/data", help="holds gsm8k/train.jsonl and gsm8k/test.jsonl")
-    p.add_argument("--split", choices=["train", "test"], default="test")
+    cache_arguments(p, "a served model whose cache to continue (repeat for several)")
     p.add_argument("--budget", type=int, default=768, help="the whole answer's token budget")
     p.add_argument("--items", type=int, default=None, help="only items below this index")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (the engine batches them)")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--cache", default="docs/data/gsm8k", help="the answer cache (GSM8K, as `chorus eval gsm8k` wrote)")

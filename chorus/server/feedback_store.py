@@ -134,7 +134,6 @@ class RedisBook:
         self.writing: dict[str, dict[str, Any]] = {}  # the batch being written now
         self._wake = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
-        self.lost = 0  #: records pushed out of a full buffer (this process's count)
 
     def k(self, what: str, request_id: str) -> str:
         return f"{self.prefix}:fb:{what}:{request_id}"
@@ -150,7 +149,6 @@ class RedisBook:
         if over > 0:
             for rid in list(self.pending)[:over]:
                 del self.pending[rid]
-            self.lost += over
             LOST.inc(over)
             log.error("feedback: the buffer is full (%d records while the state store is down); %d oldest dropped",
                       self.section.max_buffered, over)

@@ -89,7 +89,7 @@ class Gateway:
                     CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
                 except GatewayError as exc:
                     if isinstance(exc, RateLimited):  # the allow-list answers before the limits and the budget
-                        exc = await self.unlisted(state.get("asking"), path, receive) or exc
+                        exc = await self.unlisted(state.get("principal"), path, receive) or exc
                     REFUSED.labels(exc.code or exc.type).inc()
                     await for_path(path, error_response(exc))(scope, receive, send_with_id)
                     return
@@ -120,7 +120,7 @@ class Gateway:
         # Anthropic's clients send the key as x-api-key
         given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else None)
         principal = self.keys.authenticate(given) if self.keys.enabled else None
-        state["asking"] = principal
+        state["principal"] = principal  # known from here on (the allow-list may answer a refusal below)
         if self.admission.inflight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)
@@ -139,7 +139,6 @@ class Gateway:
                     await self.state.release(principal, state["counted_in"])
                 raise InvalidRequest("X-Chorus-Timeout must be a positive number of seconds.", param="X-Chorus-Timeout")
             timeout = min(timeout, asked)
-        state["principal"] = principal
         state["deadline"] = asyncio.get_running_loop().time() + timeout
         state["timeout"] = timeout
         self.admission.inflight += 1

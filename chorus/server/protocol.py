@@ -194,8 +194,8 @@ class ChatCompletionRequest(CompletionFields):
                 raise InvalidRequest("'continue_final_message' continues the last message: it must be the "
                                      "assistant's partial answer, as a non-empty string.",
                                      param="continue_final_message")
-            if self.tools or self.ensemble is not None:
-                raise InvalidRequest("'continue_final_message' is served on one model, without tools.",
+            if self.tools:  # (on an ensemble, named or inline: refused by the route, which resolves it)
+                raise InvalidRequest("'continue_final_message' is served without tools.",
                                      param="continue_final_message")
         return self
 

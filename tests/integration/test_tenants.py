@@ -11,7 +11,6 @@ Time-to-first-token is compared by ``scripts/bench-tenants`` (a table), not asse
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import yaml
 from chorus.clients.local import free_port, wait_ready
 from chorus.config import ChorusConfig
 from chorus.engines.core.spec import ModelSpec
+from chorus.server.auth import hash_key
 from tests.helpers import SMOL, LiveServer, gateway, require
 
 pytestmark = pytest.mark.integration
@@ -34,13 +34,9 @@ SYSTEM = "Confidential playbook of team red. " + " ".join(
     f"Rule {i}: answer politely and briefly, and cite rule {i} when it applies." for i in range(30))
 
 
-def sha(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
-KEYS = [{"name": "alpha", "sha256": sha("sk-alpha"), "team": "red"},
-        {"name": "carol", "sha256": sha("sk-carol"), "team": "red"},
-        {"name": "bravo", "sha256": sha("sk-bravo")}]
+KEYS = [{"name": "alpha", "sha256": hash_key("sk-alpha"), "team": "red"},
+        {"name": "carol", "sha256": hash_key("sk-carol"), "team": "red"},
+        {"name": "bravo", "sha256": hash_key("sk-bravo")}]
 
 
 def llama_spec() -> dict[str, Any]:
@@ -115,7 +111,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, default_config: ChorusConfi
     cfg = tmp_path_factory.mktemp("w") / "worker.yaml"
     spec = default_config.model(SMOL).model_dump(exclude_none=True, mode="json")
     cfg.write_text(yaml.safe_dump({"models": [spec], "auth": {"keys": [
-        {"name": "gateway", "sha256": sha("sk-gateway")}, {"name": "intruder", "sha256": sha("sk-intruder")}]}}))
+        {"name": "gateway", "sha256": hash_key("sk-gateway")}, {"name": "intruder", "sha256": hash_key("sk-intruder")}]}}))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "chorus", "worker", "--config", str(cfg), "--port", str(port),
                              "--no-prepare", "--log-level", "warning"],

@@ -5,7 +5,6 @@ on every route that lists or describes models, and the allow-list's 403 answered
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,22 +14,17 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.core.base import CACHE_SALT, CACHE_SCOPE, prefix_salt
-from chorus.server.auth import KeyStore
+from chorus.server.auth import KeyStore, hash_key
 from chorus.server.tenancy import cache_scope, scope_secret
 from tests.helpers import LiveServer, gateway
 
-
-def sha(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
 KEYS = [
-    {"name": "alpha", "sha256": sha("sk-alpha"), "team": "red"},
-    {"name": "carol", "sha256": sha("sk-carol"), "team": "red"},
-    {"name": "bravo", "sha256": sha("sk-bravo")},
-    {"name": "narrow", "sha256": sha("sk-narrow"), "models": ["fake", "pair"]},
-    {"name": "broke", "sha256": sha("sk-broke"), "models": ["fake"], "max_budget": 1, "rpm": 1000},
-    {"name": "rpm", "sha256": sha("sk-rpm"), "models": ["fake"], "rpm": 1},
+    {"name": "alpha", "sha256": hash_key("sk-alpha"), "team": "red"},
+    {"name": "carol", "sha256": hash_key("sk-carol"), "team": "red"},
+    {"name": "bravo", "sha256": hash_key("sk-bravo")},
+    {"name": "narrow", "sha256": hash_key("sk-narrow"), "models": ["fake", "pair"]},
+    {"name": "broke", "sha256": hash_key("sk-broke"), "models": ["fake"], "max_budget": 1, "rpm": 1000},
+    {"name": "rpm", "sha256": hash_key("sk-rpm"), "models": ["fake"], "rpm": 1},
 ]
 CONFIG: dict[str, Any] = {
     "models": [{"name": "fake", "engine": "fake"}, {"name": "secret-model", "engine": "fake"}],

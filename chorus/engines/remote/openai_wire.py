@@ -72,9 +72,13 @@ def generation_from(data: dict[str, Any], prompt_tokens: int) -> Generation:
         text = c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
         choices.append(Choice(int(c.get("index", 0)), text, [], c.get("finish_reason") or "stop", None))
     usage = data.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # the worker's prefix cache
     return Generation(choices, int(usage.get("prompt_tokens", prompt_tokens)),
-                      int(usage.get("completion_tokens", 0)), int(cached))
+                      int(usage.get("completion_tokens", 0)), cached_tokens(usage))
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens the upstream's prefix cache served, from an OpenAI usage object (0 when not said)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def deltas_from(lines: AsyncIterable[bytes], model: str,
@@ -93,7 +97,7 @@ async def deltas_from(lines: AsyncIterable[bytes], model: str,
             raise EngineFailed(f"{model}: upstream error: {event['error'].get('message', event['error'])}")
         usage = event.get("usage") or {}
         if request is not None and usage.get("prompt_tokens_details"):
-            request.cached_tokens = int(usage["prompt_tokens_details"].get("cached_tokens") or 0)
+            request.cached_tokens = cached_tokens(usage)
         for c in event.get("choices") or []:
             text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content") or ""
             finish = c.get("finish_reason")
