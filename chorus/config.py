@@ -53,7 +53,7 @@ class LogSection(BaseModel):
 
 
 class SessionsSection(BaseModel):
-    """Token-level sessions over HTTP (``/chorus/v1/sessions``, server/sessions.py)."""
+    """Token-level sessions over HTTP (``/chorus/v1/sessions``, server/api/sessions.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,7 +62,7 @@ class SessionsSection(BaseModel):
 
 
 class PrefixCacheSection(BaseModel):
-    """Who may reuse a prefix another request stored in an engine's prefix cache (server/tenancy.py). A hit is
+    """Who may reuse a prefix another request stored in an engine's prefix cache (server/gateway/tenancy.py). A hit is
     visible to the caller (``cached_tokens``, a fast first token), so a shared prefix tells one tenant what
     another's prompt starts with: by default a prefix is reused only by requests of the key that stored it."""
 
@@ -74,8 +74,8 @@ class PrefixCacheSection(BaseModel):
 
 
 class StateSection(BaseModel):
-    """Where per-key windows, in-flight counts, budgets and spend live (server/key_state.py): ``memory`` (this
-    process; the embedded default) or a Redis URL shared by every replica (server/redis_state.py)."""
+    """Where per-key windows, in-flight counts, budgets and spend live (server/gateway/key_state.py): ``memory`` (this
+    process; the embedded default) or a Redis URL shared by every replica (server/gateway/redis_state.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -134,7 +134,7 @@ class FeedbackMetric(BaseModel):
 
 
 class FeedbackSection(BaseModel):
-    """``POST /v1/feedback`` (server/feedback.py): the metrics it accepts and how long a request is kept for it
+    """``POST /v1/feedback`` (server/api/feedback.py): the metrics it accepts and how long a request is kept for it
     (in the state store: Redis when configured, so any replica joins feedback to any replica's requests)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -1,7 +1,7 @@
 """Every error chorus raises on purpose: the one exception tree (the bottom layer; anything may import it).
 
 A `GatewayError` carries its HTTP status and OpenAI error type; the server turns it into the OpenAI
-error envelope in one place (``chorus.server.errors.error_response``). `ConfigError` and
+error envelope in one place (``chorus.server.gateway.errors.error_response``). `ConfigError` and
 `BuildError` stop a command before it serves (``chorus serve`` exits with the message; a model that
 cannot be prepared while serving becomes `EngineUnavailable`)::
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.ensembles.consistency_select import choose
 from chorus.ensembles.voting import Sample, Unfinished, agreement, from_answers, settled, tally
 from chorus.training.cascade import fit_thresholds, same

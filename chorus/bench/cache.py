@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from chorus.bench.engine import settle
+from chorus.bench.engine import chat_chunks, settle
 from chorus.bench.llama import paired_ratio
 from chorus.clients.local import free_port, wait_ready
 
@@ -59,17 +59,12 @@ async def _ask(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     """(TTFT, total seconds, usage) of one streamed request."""
     t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with client.stream("POST", url + "/v1/chat/completions", headers=headers,
-                             json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - t0
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async for chunk in chat_chunks(client, url, streamed, headers):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            ttft = time.perf_counter() - t0
     return ttft or 0.0, time.perf_counter() - t0, usage
 
 

@@ -23,8 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -102,6 +104,16 @@ def _in_process(spec: ModelSpec, tokens: int, concurrency: int, rounds: int) -> 
 
 # ---- over HTTP ----
 
+async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      headers: dict[str, str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    """The chunks of one streamed chat completion (``body`` asks for the stream), as they arrive."""
+    async with client.stream("POST", url + "/v1/chat/completions", headers=headers, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
 async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: int, extra: dict,
                        unique: bool = False) -> tuple[float, int]:
     messages = [{"role": "user", "content": PROMPT}]
@@ -110,18 +122,13 @@ async def _http_stream(client: httpx.AsyncClient, url: str, model: str, tokens: 
     body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True, **extra}
     t0 = time.perf_counter()
     ttft, usage, chunks = None, None, 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            for c in chunk.get("choices", []):
-                if c.get("delta", {}).get("content"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    chunks += 1
+    async for chunk in chat_chunks(client, url, body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
+        for c in chunk.get("choices", []):
+            if c.get("delta", {}).get("content"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                chunks += 1
     return ttft or 0.0, usage if usage is not None else chunks  # no usage: one token per content chunk
 
 

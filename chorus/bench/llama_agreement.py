@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 
 
 def arc_prompt(item: dict[str, Any]) -> str:

@@ -121,7 +121,7 @@ async def choices(url: str, models: list[str], sets: dict[str, Path], offsets: d
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from chorus.clients import eval_stats as S
+    from chorus import stats as S
     from chorus.engines.families.reasonformer import load_reasonformer
     from chorus.training.reasonformer import (
         TrainConfig,

@@ -35,12 +35,12 @@ def sample_prompts(path: Path, limit: int | None) -> list[str]:
 def calibrate(args: argparse.Namespace) -> str:
     from chorus.config import load_config
     from chorus.ensembles.routers.base import RouteParams
-    from chorus.ensembles.routers.cost import difficulty
+    from chorus.ensembles.routers.cost import CostParams, difficulty
     from chorus.ensembles.similarity import Embedder
 
     named = {e.name: e for e in load_config(args.config).ensembles}
     if args.ensemble in named:
-        params = RouteParams.model_validate(named[args.ensemble].params)
+        route = RouteParams.model_validate(named[args.ensemble].params)
         members = [m.name or m.model for m in named[args.ensemble].members]
     else:
         try:
@@ -52,8 +52,9 @@ def calibrate(args: argparse.Namespace) -> str:
         raw.pop("strategy", None)
         raw.pop("trace", None)
         raw.setdefault("thresholds", None)
-        params = RouteParams.model_validate(raw)
-    if params.router != "cost" or not params.hard_examples:
+        route = RouteParams.model_validate(raw)
+    params = route.router_params() if route.router == "cost" else None
+    if not isinstance(params, CostParams) or not params.hard_examples:
         raise SystemExit("chorus route calibrate: needs a route ensemble with router: cost and hard_examples")
     shares = sorted(args.share, reverse=True)
     if len(members) and len(shares) != len(members) - 1:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.clients.eval_choices import member_answers, member_seconds
 from chorus.clients.local import markdown_table
 from chorus.ensembles.selector_model import artifact_path

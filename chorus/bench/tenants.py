@@ -33,7 +33,7 @@ from chorus.clients.local import free_port, wait_ready
 
 
 def hash_key(raw: str) -> str:
-    """A key's SHA-256 as the config stores it (server/auth.py's rule; the bench layer does not import server)."""
+    """A key's SHA-256 as the config stores it (server/gateway/auth.py's rule; the bench layer does not import server)."""
     return hashlib.sha256(raw.encode()).hexdigest()
 
 

@@ -9,11 +9,12 @@ imports only CMD's module.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from chorus import lazy
 
 
 @dataclass(frozen=True)
@@ -243,8 +244,7 @@ COMMANDS: dict[tuple[str, ...], Command] = {
 
 def load(target: str) -> Callable[..., Any]:
     """``"module:function"`` -> the function (the module is imported now, not before)."""
-    module, _, name = target.partition(":")
-    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    fn: Callable[..., Any] = lazy.load(target)
     return fn
 
 
@@ -276,14 +276,16 @@ def main(argv: list[str] | None = None) -> int:
             break
         words += (word,)
     if words not in COMMANDS:
-        wants_help = any(a in ("-h", "--help") for a in argv[len(words):])
         rest = argv[len(words):]
-        if wants_help or not rest:
-            print(_usage(words), file=sys.stdout if wants_help else sys.stderr)
-            return 0 if wants_help else 2
-        print(_usage(words), file=sys.stderr)
-        print(f"\nchorus: unknown command {' '.join((*words, rest[0]))!r}", file=sys.stderr)
-        return 2
+        if rest and not rest[0].startswith("-"):  # a word that names no command, even before --help
+            valid = sorted({k[len(words)] for k in COMMANDS if k[:len(words)] == words and len(k) > len(words)})
+            print(_usage(words), file=sys.stderr)
+            print(f"\nchorus: unknown command {' '.join((*words, rest[0]))!r}; valid: {', '.join(valid)}",
+                  file=sys.stderr)
+            return 2
+        wants_help = any(a in ("-h", "--help") for a in rest)
+        print(_usage(words), file=sys.stdout if wants_help else sys.stderr)
+        return 0 if wants_help else 2
     args = parser_for(words).parse_args(argv[len(words):])
     return int(load(COMMANDS[words].run)(args) or 0)
 

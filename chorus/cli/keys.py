@@ -14,7 +14,7 @@ def hash_command(args: argparse.Namespace) -> int:
     import getpass
     import secrets
 
-    from chorus.server.auth import hash_key
+    from chorus.server.gateway.auth import hash_key
 
     raw = args.key or (secrets.token_urlsafe(32) if args.generate else getpass.getpass("API key: "))
     if args.generate and not args.key:

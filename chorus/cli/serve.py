@@ -48,6 +48,7 @@ def serve(args: argparse.Namespace) -> int:
     from chorus.engines.core.registry import engine_kind, not_ready, prepare_model
     from chorus.errors import GatewayError
     from chorus.server.app import create_app
+    from chorus.server.gateway.services import services_of
 
     config = config_of(args)
     env = Settings()
@@ -73,11 +74,12 @@ def serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)
     app = create_app(config)
-    if not app.state.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+    services = services_of(app)
+    if not services.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "
               "auth.keys (chorus keys hash) or CHORUS_API_KEYS to serve other hosts", file=sys.stderr, flush=True)
         host = "127.0.0.1"
-    elif not app.state.keys.enabled:
+    elif not services.keys.enabled:
         print("chorus: no API keys configured: open to local clients only (127.0.0.1)", file=sys.stderr, flush=True)
     served = [m.name for m in config.models] + [e.name for e in config.ensembles]
     print(f"chorus: serving {', '.join(served)} on http://{host}:{port}/v1", flush=True)
@@ -89,7 +91,7 @@ def serve(args: argparse.Namespace) -> int:
         ``shutdown_grace_s``, then stop (uvicorn cancels what is left). A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            admission = app.state.admission
+            admission = services.admission
             if admission.draining:
                 super().handle_exit(sig, frame)  # type: ignore[arg-type]
                 return

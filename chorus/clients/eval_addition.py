@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.clients.local import markdown_table
 
 SHOTS = "12 + 7 = 19\n35 + 21 = 56\n48 + 36 = 84\n"

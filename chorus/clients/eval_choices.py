@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.clients.local import markdown_table
 
 NORMS = ("sum", "mean", "char")  # what the runs ask for (``unconditional`` costs a second pass)

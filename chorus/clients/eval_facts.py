@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.clients.local import markdown_table
 from chorus.ensembles.answers import extract_answer, normalise_text
 

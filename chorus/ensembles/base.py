@@ -16,7 +16,6 @@ name's error lists the valid ones.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
@@ -38,6 +37,7 @@ from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion, average
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS
 from chorus.ensembles.spec import EnsembleSpec, NamedEnsemble, member_weights
 from chorus.errors import CapabilityMismatch, InvalidRequest
+from chorus.lazy import load
 
 T = TypeVar("T")
 
@@ -70,8 +70,7 @@ def strategy_class(name: str) -> type[Strategy]:
     except KeyError:
         raise InvalidRequest(f"Unknown ensemble strategy {name!r}. Valid strategies: {', '.join(sorted(STRATEGIES))}.",
                              param="ensemble.strategy") from None
-    module, _, cls = target.partition(":")
-    found = getattr(importlib.import_module(module), cls)
+    found = load(target)
     if not (isinstance(found, type) and issubclass(found, Strategy)):
         raise TypeError(f"{target} is not an ensembles.base.Strategy subclass")
     return found

@@ -31,7 +31,7 @@ class Route(Strategy):
 
     @classmethod
     def check_links(cls, params: RouteParams, name: str, ensembles: set[str], metrics: set[str]) -> None:
-        router_class(params.router).check_links(params, name, ensembles, metrics)
+        router_class(params.router).check_links(params.router_params(), name, ensembles, metrics)
 
     def check(self) -> None:
         self.router: Router = build_router(self.params, self.members)

@@ -1,6 +1,6 @@
 """OpenTelemetry spans of an ensemble's fan-out: one per member call (GenAI semantic conventions) and one per step
 of a strategy (an Exchange-of-Thought round, a mixture-of-agents layer and judge, a vote's sample batch, a cascade
-step). Through OpenTelemetry's API only: without a configured SDK (server/tracing.py) every span is a no-op."""
+step). Through OpenTelemetry's API only: without a configured SDK (server/gateway/tracing.py) every span is a no-op."""
 
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
-"""HTTP only: the app factory, the APIs (OpenAI chat, completions, Responses, embeddings, choices; the session
-API; admin, playground), their request and reply shapes, the one step that resolves a model for a key
-(resolve.py), admission, keys, limits, shared state, metrics and the exception -> HTTP map."""
+"""HTTP only, in rooms: the app factory (app.py), the API surfaces (api/: OpenAI chat and completions, Responses,
+Anthropic's Messages, embeddings, choices, feedback, token sessions, admin, playground), every route's three steps
+(resolve.py -> plan.py -> reply.py), OpenAI's chat wire format (wire/), and what every surface shares (gateway/:
+the front door, the typed request context, keys, limits, shared state, accounting, metrics, tracing, errors)."""

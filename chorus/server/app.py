@@ -15,37 +15,36 @@ from chorus.config import ChorusConfig, Settings
 from chorus.engines.core.base import Engine
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
-from chorus.server import errors, tracing
-from chorus.server.admin import router as admin_router
-from chorus.server.auth import KeyStore, hash_key
-from chorus.server.choices import router as choices_router
-from chorus.server.embeddings import router as embeddings_router
-from chorus.server.fastpath import FastPath
-from chorus.server.feedback import router as feedback_router
-from chorus.server.feedback_store import RequestBook, request_book
-from chorus.server.gateway import Admission, Gateway
-from chorus.server.key_state import KeyState, MemoryState
-from chorus.server.limits import BodyLimit
-from chorus.server.messages import router as messages_router
-from chorus.server.metrics import watch_engines
-from chorus.server.playground_route import router as playground_router
-from chorus.server.responses import ResponseStore
-from chorus.server.responses import router as responses_router
-from chorus.server.routes import router
-from chorus.server.sessions import SessionStore
-from chorus.server.sessions import router as sessions_router
-from chorus.server.sessions import router_v2 as sessions_router_v2
+from chorus.server.api import admin, choices, embeddings, feedback, sessions
+from chorus.server.api.messages import routes as messages
+from chorus.server.api.openai import models
+from chorus.server.api.openai import routes as openai
+from chorus.server.api.openai.fastpath import FastPath
+from chorus.server.api.playground import routes as playground
+from chorus.server.api.responses import routes as responses
+from chorus.server.gateway import errors, tracing
+from chorus.server.gateway.admission import Gateway
+from chorus.server.gateway.auth import KeyStore, hash_key
+from chorus.server.gateway.feedback_store import RequestBook, request_book
+from chorus.server.gateway.held_sessions import SessionStore
+from chorus.server.gateway.key_state import KeyState, MemoryState
+from chorus.server.gateway.limits import BodyLimit
+from chorus.server.gateway.metrics import watch_engines
+from chorus.server.gateway.services import Services
+from chorus.server.gateway.stored_responses import ResponseStore
 
 log = logging.getLogger("chorus.server")
 
-
+#: every API surface's routes (server/api/): a new surface is its own module and one line here
+ROUTERS = (models.router, openai.router, responses.router, messages.router, choices.router, embeddings.router,
+           feedback.router, sessions.router, sessions.router_v2, admin.router, playground.router)
 
 def key_state(config: ChorusConfig) -> KeyState:
     """Where per-key windows, budgets and spend are counted (``server.state.store``)."""
     keys = {k.name: k for k in config.auth.keys}
     if config.server.state.store == "memory":
         return MemoryState(keys)
-    from chorus.server.redis_state import RedisState
+    from chorus.server.gateway.redis_state import RedisState
 
     return RedisState(config.server.state, keys)
 
@@ -74,56 +73,45 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
                 log.info("model %s ready in %.1fs", spec.name, time.perf_counter() - t0)
         for engine in loaded.values():
             await engine.start()
-        app.state.engines = loaded
-        app.state.ensembles = {e.name: Ensemble.build(e, loaded) for e in served.ensembles}
-        bind_learners(app.state.ensembles, app.state.feedback)
-        for ensemble in app.state.ensembles.values():
+        services.engines = loaded
+        services.ensembles = {e.name: Ensemble.build(e, loaded) for e in served.ensembles}
+        bind_learners(services.ensembles, services.feedback)
+        for ensemble in services.ensembles.values():
             await ensemble.strategy.warm()
-        app.state.sessions.start()
-        await app.state.key_state.start()
-        await app.state.feedback.start()
-        unwatch = watch_engines(lambda: app.state.engines)
+        services.sessions.start()
+        await services.key_state.start()
+        await services.feedback.start()
+        unwatch = watch_engines(lambda: services.engines)
         try:
             yield
         finally:
             unwatch()
-            await app.state.key_state.aclose()  # buffered charges are written before exit
-            await app.state.feedback.aclose()  # and request records kept for feedback
-            await app.state.sessions.stop()
+            await services.key_state.aclose()  # buffered charges are written before exit
+            await services.feedback.aclose()  # and request records kept for feedback
+            await services.sessions.stop()
             for engine in loaded.values():
                 await engine.aclose()
             tracing.flush()
 
-    traced = tracing.configure()  # OTEL_TRACES_EXPORTER and friends (server/tracing.py); off unless they say so
+    traced = tracing.configure()  # OTEL_TRACES_EXPORTER and friends (server/gateway/tracing.py); off unless they say so
     otel: Any = None if config.server.opentelemetry or traced else {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="chorus", version=__version__, lifespan=lifespan, telemetry=otel,
                   description="OpenAI-compatible gateway with ensemble and routing backends")
-    app.state.config = config
-    app.state.started = int(time.time())
-    app.state.engines = {}
-    app.state.ensembles = {}
-    app.state.responses = ResponseStore(config.server.limits.max_stored_responses)
-    app.state.sessions = SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open)
+    admin_key = Settings().admin_key
+    services = Services(
+        config=config,
+        keys=KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys),
+        key_state=key_state(config),
+        feedback=request_book(config.server.feedback, config.server.state),
+        responses=ResponseStore(config.server.limits.max_stored_responses),
+        sessions=SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open),
+        admin_sha256=hash_key(admin_key) if admin_key else config.server.state.admin_sha256,
+    )
+    app.state.services = services  # the one thing the app holds (gateway/services.py)
     errors.install(app)
-    app.include_router(router)
-    app.include_router(sessions_router)
-    app.include_router(sessions_router_v2)
-    app.include_router(choices_router)
-    app.include_router(responses_router)
-    app.include_router(messages_router)
-    app.include_router(embeddings_router)
-    app.include_router(feedback_router)
-    app.include_router(admin_router)
-    app.include_router(playground_router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
-    keys = KeyStore(config.auth.keys, api_keys if api_keys is not None else Settings().api_keys)
-    app.state.keys = keys
-    admin_key = Settings().admin_key
-    app.state.admin_sha256 = hash_key(admin_key) if admin_key else config.server.state.admin_sha256
-    app.state.admission = Admission()
-    app.state.key_state = key_state(config)
-    app.state.feedback = request_book(config.server.feedback, config.server.state)
-    app.add_middleware(Gateway, keys=keys, limits=config.server.limits, admission=app.state.admission,
-                       state=app.state.key_state, share=config.server.prefix_cache.share)  # outermost
+    app.add_middleware(Gateway, services=services)  # outermost: every request's context, key and limits
     return app

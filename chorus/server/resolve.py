@@ -1,118 +1,174 @@
-"""The one step that resolves what a request is served by, for its key.
+"""The one step that turns (key, request body) into what serves it: a typed `Target`.
 
-Every route that names a model calls one of the functions below exactly once, before any work: `model_for` (an
-engine), `ensemble_for` (a named or inline ensemble) or `admit` (a model already resolved, such as a held token
-session's). Each checks the key's allow-list (a named ensemble is one name; an inline ensemble is every model it
-uses), and records a typed `Served` on the request: the name served, the strategy, the prompt for the access log
-(only with ``server.log.prompts``), and later the usage. The replies, the accounting and the access log read it
-through `served_of`, which refuses a request that skipped this step; and a test walks every route of the app to
-check that each model-naming route refuses a model its key may not use.
+Every route that names a model calls `resolve` (or, for a model already held, such as a token session's,
+`admit`) exactly once, before any work. It finds the target: a model, a named ensemble, or the body's inline
+``ensemble`` (merged over a named one when both are given); checks the key's allow-list (a named ensemble is one
+name, an inline one is every model it uses), what the route needs the target to do (``use``) and the server's
+ensemble limits; and records a `Served` on the request's context (the name served, the strategy, the prompt for
+the access log with ``server.log.prompts``; later the usage). The replies, the accounting and the access log read
+that record, and refuse a request that skipped this step; a test walks every route of the app to check that each
+model-naming route refuses a model its key may not use.
+
+After resolve comes the plan (server/plan.py: how this API's reply is produced from the target), then the reply
+(server/reply.py). No route forks on "model or ensemble" itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from fastapi import Request
+from pydantic import ValidationError
 
-from chorus.engines.core.base import EMBEDDINGS, ChoiceScorer, Engine
+from chorus.config import Limits
+from chorus.engines.core.base import CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
+from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.ensembles.base import Ensemble
-from chorus.errors import CapabilityMismatch, ModelNotFound
+from chorus.ensembles.spec import EnsembleSpec
+from chorus.errors import CapabilityMismatch, InvalidRequest, ModelNotFound
+from chorus.server.gateway import tracing
+from chorus.server.gateway.context import Context, Served
+
+#: what a route needs its target to do: generate text (chat, completions, Responses, Messages), read a prompt as a
+#: generating model would (count_tokens), score choices, embed, or hold a token-level session
+Use = Literal["generate", "count", "score", "embed", "session"]
+
+
+class AsksModel(Protocol):
+    """A request body that names a model and may carry an ``ensemble`` (chat, completions, choices)."""
+
+    model: str
+    ensemble: dict[str, Any] | None
 
 
 @dataclass
-class Served:
-    """What one request is served by, as resolved for its key (``request.state.served``)."""
+class ModelTarget:
+    """One model serves the request."""
 
-    model: str  #: the name answered under: a model, a named ensemble, or ``ensemble:STRATEGY`` for an inline one
-    strategy: str = ""  #: the ensemble's strategy ("" for one model)
-    prompt: Any = None  #: the prompt, for the access log (``server.log.prompts``), else None
-    usage: dict[str, int] = field(default_factory=dict)  #: tokens used, once settled
-    #: an ensemble's usage per member model (the key is charged per model it used), read when it is settled
-    member_usage: Callable[[], dict[str, tuple[int, int]]] | None = None
-    #: what an online router decided for it (kept for feedback, server/feedback.py), read when it is settled
-    decision: Callable[[], dict[str, Any] | None] | None = None
+    name: str
+    engine: Engine
 
 
-def engines(request: Request) -> dict[str, Engine]:
-    return request.app.state.engines
+@dataclass
+class EnsembleTarget:
+    """An ensemble serves the request: a named one (``name`` is the config's), or an inline one (``name`` is the
+    body's ``model``, served as ``ensemble:STRATEGY``)."""
+
+    name: str
+    ensemble: Ensemble
+
+    @property
+    def first_engine(self) -> Engine:
+        """The first member's engine (what ``count_tokens`` reads a prompt with)."""
+        return self.ensemble.strategy.members[0].engine
 
 
-def ensembles(request: Request) -> dict[str, Ensemble]:
-    return request.app.state.ensembles
+Target = ModelTarget | EnsembleTarget
 
 
-def owner_of(request: Request) -> str | None:
-    """The name of the request's key (None without keys): what owns its stored responses and held sessions."""
-    principal = getattr(request.state, "principal", None)
-    return principal.name if principal is not None else None
-
-
-def visible(request: Request) -> list[str]:
+def visible(ctx: Context) -> list[str]:
     """The models and named ensembles the request's key may use, in the config's order: all of them without an
     allow-list. Listings and "not found" messages show only these (a key learns nothing of the others)."""
-    principal = getattr(request.state, "principal", None)
-    names = [*engines(request), *ensembles(request)]
+    services, principal = ctx.services, ctx.principal
+    names = [*services.engines, *services.ensembles]
     if principal is None or principal.models is None:
         return names
     return [n for n in names if n in principal.models]
 
 
-def not_found(request: Request, name: str) -> ModelNotFound:
-    known = ", ".join(sorted(visible(request))) or "none"
+def not_found(ctx: Context, name: str) -> ModelNotFound:
+    known = ", ".join(sorted(visible(ctx))) or "none"
     return ModelNotFound(f"The model '{name}' does not exist. Available models: {known}.", param="model")
 
 
-def lookup(request: Request, name: str) -> Engine:
-    """The engine named ``name``, or a 404 listing what the key may use (no allow-list check: see `model_for`)."""
-    found = engines(request).get(name)
-    if found is None:
-        raise not_found(request, name)
-    return found
+def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
+    """What serves ``body`` (its ``model``, and its ``ensemble`` where it may carry one) for this request's key,
+    checked for ``use``. A body that generates is first held to the server's request limits; its ``cache_salt``
+    (where it has one) narrows the key's prefix-cache scope."""
+    if use == "generate":
+        body.check_limits(ctx.config.server.limits)
+    CACHE_SALT.set(getattr(body, "cache_salt", None))
+    ensemble = find_ensemble(ctx, body)
+    if ensemble is not None:
+        if use == "embed":
+            raise CapabilityMismatch(f"'{body.model}' is an ensemble of language models: it generates text and "
+                                     "scores choices; it does not embed. Ask an embedding model (GET /v1/models: "
+                                     "kind 'embedding').", param="model")
+        named = body.model in ctx.services.ensembles
+        admit(ctx, body.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
+              uses=() if named else ensemble.strategy.models(), body=body)
+        check_limits(ctx.config.server.limits, ensemble)
+        return EnsembleTarget(body.model, ensemble)
+    return ModelTarget(body.model, model(ctx, body.model, use, body))
 
 
-def admit(request: Request, model: str, strategy: str = "", uses: Iterable[str] = (), body: Any = None) -> Served:
-    """Check the key may use ``model`` (and every model an inline ensemble ``uses``), and record what serves the
-    request. The ``body``'s prompt is kept for the access log only when ``server.log.prompts`` is on."""
-    principal = getattr(request.state, "principal", None)
-    if principal is not None:
-        principal.authorize([model, *uses])
-    prompt = None
-    if body is not None and request.app.state.config.server.log.prompts:
-        prompt = body.message_dicts() if getattr(body, "messages", None) is not None else body.prompt
-    served = Served(model, strategy, prompt)
-    request.state.served = served
-    return served
-
-
-def model_for(request: Request, name: str, *, body: Any = None, generates: bool = False) -> Engine:
-    """The engine serving ``name`` for this request's key; ``generates``: it must make text (chat, completions),
-    so a scorer or an embedding model is a 400 saying what it does instead."""
-    engine = lookup(request, name)
-    admit(request, name, body=body)
-    if generates:
+def model(ctx: Context, name: str, use: Use = "generate", body: Any = None) -> Engine:
+    """The engine serving ``name`` for this request's key, able to do ``use`` (a route whose body can name no
+    ensemble, such as a token session's, calls this rather than `resolve`)."""
+    engine = ctx.services.engines.get(name)
+    if engine is None:
+        raise not_found(ctx, name)
+    admit(ctx, name, body=body)
+    if use in ("generate", "count"):
         refuse = getattr(engine, "refuse", None)  # a model that generates nothing says what it does instead
         if EMBEDDINGS in engine.capabilities and refuse is not None:
             raise refuse("generate text")
         if isinstance(engine, ChoiceScorer):
             raise CapabilityMismatch(f"The model '{name}' is a multiple-choice scorer: it only scores choices "
                                      "(POST /v1/choices); it cannot generate text.", param="model")
+    elif use == "embed" and not isinstance(engine, EmbeddingEngine):
+        raise CapabilityMismatch(f"The model '{name}' is not an embedding model: it generates text (chat, "
+                                 "completions) and scores choices; ask an embedding model for embeddings (GET "
+                                 "/v1/models: kind 'embedding').", param="model")
+    elif use == "session" and LOGITS not in engine.capabilities:
+        raise CapabilityMismatch(f"{name} has no token-level logits to serve over sessions.", param="model")
     return engine
 
 
-def ensemble_for(request: Request, name: str, ensemble: Ensemble, body: Any = None) -> Served:
-    """Admit an ensemble: a named one (``name`` is one of the config's) is one name for the allow-list; an inline
-    one (the body's ``ensemble``) is served as ``ensemble:STRATEGY`` and needs every model it uses."""
-    named = name in ensembles(request)
-    return admit(request, name if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
-                 uses=() if named else ensemble.strategy.models(), body=body)
+def admit(ctx: Context, name: str, strategy: str = "", uses: Iterable[str] = (), body: Any = None) -> Served:
+    """Check the key may use ``name`` (and every model an inline ensemble ``uses``), and record what serves the
+    request. The ``body``'s prompt is kept for the access log only when ``server.log.prompts`` is on."""
+    if ctx.principal is not None:
+        ctx.principal.authorize([name, *uses])
+    prompt = None
+    if body is not None and ctx.config.server.log.prompts:
+        prompt = body.message_dicts() if getattr(body, "messages", None) is not None else body.prompt
+    ctx.served = Served(name, strategy, prompt)
+    if body is not None and hasattr(body, "operation"):  # chat and completions: the span's GenAI attributes
+        tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
+    return ctx.served
 
 
-def served_of(request: Request) -> Served:
-    """What `admit` recorded; a request that reaches a reply without it is a bug, never served unchecked."""
-    served = getattr(request.state, "served", None)
-    if not isinstance(served, Served):
-        raise RuntimeError(f"{request.url.path}: the route replied without resolving its model (server/resolve.py)")
-    return served
+def find_ensemble(ctx: Context, body: Any) -> Ensemble | None:
+    """The ensemble this request asks for: a named one (``model``), the body's ``ensemble``, or both merged."""
+    named = ctx.services.ensembles
+    base = named.get(body.model)
+    inline: dict[str, Any] | None = getattr(body, "ensemble", None)
+    if inline is None:
+        return base
+    try:
+        spec = base.spec.merged(inline) if base is not None else EnsembleSpec.model_validate(inline)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"Invalid 'ensemble' object: {where or 'ensemble'}: {err['msg']}.",
+                             param="ensemble" + (f".{where}" if where else "")) from None
+    if base is not None and set(inline) <= {"trace"}:  # the same ensemble, its trace asked for: no rebuild
+        return Ensemble(spec, base.strategy)  # (an online router's learned state lives in its strategy)
+    return Ensemble.build(spec, ctx.services.engines, name=body.model if base is not None else None)
+
+
+def check_limits(limits: Limits, ensemble: Ensemble) -> None:
+    """The server's ensemble limits: members, rounds, candidates."""
+    members = len(ensemble.strategy.members)
+    if members > limits.max_members:
+        raise InvalidRequest(f"At most {limits.max_members} ensemble members on this server (got {members}).",
+                             param="ensemble.members")
+    budget = ensemble.strategy.budget()
+    if budget.rounds > limits.max_rounds:
+        raise InvalidRequest(f"'max_rounds' must be at most {limits.max_rounds} on this server.",
+                             param="ensemble.max_rounds")
+    if budget.candidates > limits.max_candidates:
+        raise InvalidRequest(f"At most {limits.max_candidates} candidates (given or sampled) per ensemble request "
+                             f"on this server (got {budget.candidates}).", param="ensemble.candidates")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from chorus import stats
 from chorus.ensembles.routers.learned_model import LearnedRouter, pack
 from chorus.ensembles.selector_model import NORMS, Selector, choice_features, feature_names
 
@@ -65,7 +66,6 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
     """``items[i][m]``: member m's probabilities per normalisation on item i; ``gold[i]``: the right choice."""
     from sklearn.model_selection import KFold
 
-    from chorus.clients import eval_stats
 
     if len(items) < 2 * folds:
         raise ValueError(f"need at least {2 * folds} labelled items to cross-validate, got {len(items)}")
@@ -89,7 +89,7 @@ def fit_selector(members: list[str], items: list[list[dict[str, list[float]]]], 
             best_member_right[test_i] = member_right[test_i, best]
         per_c[c] = right
     c_best = max(C_GRID, key=lambda c: (per_c[c].mean(), -c))
-    diff = eval_stats.paired_difference(per_c[c_best], best_member_right)
+    diff = stats.paired_difference(per_c[c_best], best_member_right)
     best_overall = int(member_right.mean(axis=0).argmax()) // len(NORMS)
     norm, model = _fit(x, y, c_best)
     fallback = None if diff.low > 0 else members[best_overall]
@@ -126,7 +126,6 @@ def fit_router(members: list[str], embeddings: np.ndarray, correct: np.ndarray, 
     there to keep accuracy for fewer calls of the best member, so equal accuracy is not a reason to fall back)."""
     from sklearn.model_selection import KFold
 
-    from chorus.clients import eval_stats
 
     n = len(correct)
     if n < 2 * folds:
@@ -152,7 +151,7 @@ def fit_router(members: list[str], embeddings: np.ndarray, correct: np.ndarray, 
         per_k[k] = (got, to)
     k_best = max(K_GRID, key=lambda k: (per_k[k][0].mean(), -k))
     got, to = per_k[k_best]
-    diff = eval_stats.paired_difference(got, best_right)
+    diff = stats.paired_difference(got, best_right)
     best_overall = int(right.mean(axis=0).argmax())
     fallback = members[best_overall] if diff.high < 0 else None
     training = {

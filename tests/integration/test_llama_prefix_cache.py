@@ -15,7 +15,7 @@ import torch
 from chorus.config import ChorusConfig
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.llama_cpp.engine import LlamaCppEngine
-from chorus.server.auth import hash_key
+from chorus.server.gateway.auth import hash_key
 from tests.helpers import LiveServer, gateway, require
 
 SYSTEM = " ".join(f"Rule {i}: answer politely and briefly, and cite rule {i} when it applies." for i in range(30))

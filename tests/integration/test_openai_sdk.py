@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+from chorus.server.gateway.services import services_of
 from tests.helpers import GEMMA, SMOL, LiveServer, wait_until
 
 pytestmark = pytest.mark.integration
@@ -52,7 +53,7 @@ def test_chat_streaming(sdk: openai.OpenAI, model: str) -> None:
 def test_completions_is_raw_continuation(sdk: openai.OpenAI, real_server: LiveServer) -> None:
     prompt = "The capital of France is"
     r = sdk.completions.create(model=GEMMA, prompt=prompt, max_tokens=12, temperature=0)
-    engine = real_server.app.state.engines[GEMMA]
+    engine = services_of(real_server.app).engines[GEMMA]
     ids = engine.tokenizer.encode(prompt)
     with torch.inference_mode():
         ref = engine.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
@@ -101,7 +102,7 @@ def test_concurrent_requests_share_batches(sdk: openai.OpenAI, real_server: Live
 
 
 def test_disconnect_mid_stream_frees_the_kv_cache(real_server: LiveServer) -> None:
-    engine = real_server.app.state.engines[SMOL]
+    engine = services_of(real_server.app).engines[SMOL]
     body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long essay about rivers."}],
             "max_tokens": 2000, "stream": True, "temperature": 0.7, "ignore_eos": True}
     with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body, timeout=60) as r:

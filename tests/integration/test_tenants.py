@@ -26,7 +26,8 @@ import yaml
 from chorus.clients.local import free_port, wait_ready
 from chorus.config import ChorusConfig
 from chorus.engines.core.spec import ModelSpec
-from chorus.server.auth import hash_key
+from chorus.server.gateway.auth import hash_key
+from chorus.server.gateway.services import services_of
 from tests.helpers import SMOL, LiveServer, gateway, require
 
 pytestmark = pytest.mark.integration
@@ -135,7 +136,7 @@ def test_through_a_worker_the_tenant_travels_and_cannot_be_forged(worker: str, d
            "auth": {"keys": KEYS}}
     sent: list[dict[str, Any]] = []
     with gateway(ChorusConfig.model_validate(cfg), timeout=300) as gw:
-        engine = gw.app.state.engines["smol"]
+        engine = services_of(gw.app).engines["smol"]
         post = engine.call
 
         async def spy(replica: Any, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from chorus.clients import eval_stats as S
+from chorus import stats as S
 from chorus.engines.core.scoring import mixture_logprob, neutral_prefix, normalised, softmax, split_text
 from chorus.engines.fake.engine import FakeEngine
 from tests.helpers import LiveServer

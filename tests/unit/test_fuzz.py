@@ -18,7 +18,7 @@ from chorus.engines.core.base import SamplingParams
 from chorus.engines.core.sampling import make_generator, sample
 from chorus.engines.fake.engine import FakeEngine
 from chorus.errors import InvalidRequest
-from chorus.server.protocol import ChatCompletionRequest, CompletionRequest
+from chorus.server.wire.request import ChatCompletionRequest, CompletionRequest
 from tests.helpers import LiveServer, gateway
 
 CONFIG = {

@@ -67,6 +67,13 @@ def test_unknown_commands_fail_with_the_list() -> None:
     assert "models prepare" in res.stderr and "serve" not in res.stderr.split("Commands:")[1]
 
 
+def test_an_unknown_command_with_help_still_fails() -> None:
+    """``--help`` after a word that names no command is no request for help: exit 2, naming the valid words."""
+    res = subprocess.run([sys.executable, "-m", "chorus", "bench", "NOSUCH", "--help"], capture_output=True, text=True)
+    assert res.returncode == 2 and "unknown command 'bench NOSUCH'" in res.stderr
+    assert "valid: " in res.stderr and "gateway" in res.stderr.rsplit("valid: ", 1)[1]
+
+
 @pytest.mark.parametrize("words", list(COMMANDS))
 def test_every_table_entry_resolves(words: tuple[str, ...]) -> None:
     parser_for(words)  # the arguments function exists and adds valid arguments

@@ -26,8 +26,8 @@ from chorus.errors import (
     Overloaded,
     SessionBusy,
 )
-from chorus.server import protocol
-from chorus.server.errors import error_response
+from chorus.server.gateway.errors import error_response
+from chorus.server.wire import request as wire
 
 
 def test_the_registry_builds_engines_by_kind_lazily() -> None:
@@ -63,17 +63,17 @@ def test_encode_prompt_renders_checks_and_refuses() -> None:
 
 def test_request_models_convert_themselves_for_an_engine() -> None:
     engine = FakeEngine(sampling_defaults={"temperature": 0.3})
-    chat = protocol.ChatCompletionRequest.model_validate({"model": "f", "messages": [{"role": "user", "content": "hi"}],
+    chat = wire.ChatCompletionRequest.model_validate({"model": "f", "messages": [{"role": "user", "content": "hi"}],
                                                    "max_completion_tokens": 5, "recurrence": 2, "trace": True})
     req = chat.to_generation_request(engine)
     assert req.params.max_tokens == 5 and req.params.temperature == 0.3
     assert req.options == {"recurrence": 2} and req.trace == {}
-    rf = protocol.CompletionRequest.model_validate({"model": "f", "prompt": "ab", "max_steps": 2, "stop_threshold": 0})
+    rf = wire.CompletionRequest.model_validate({"model": "f", "prompt": "ab", "max_steps": 2, "stop_threshold": 0})
     assert rf.family_options == {"max_steps": 2, "stop_threshold": 0.0}
     for bad in ({"max_steps": True}, {"max_steps": "2"}, {"stop_threshold": True}, {"stop_threshold": "0.3"}):
         with pytest.raises(ValueError, match=next(iter(bad))):  # strict: never read as a cap of 1 or 2
-            protocol.CompletionRequest.model_validate({"model": "f", "prompt": "ab", **bad})
-    comp = protocol.CompletionRequest.model_validate({"model": "f", "prompt": ["ab", "cd"], "max_tokens": 3})
+            wire.CompletionRequest.model_validate({"model": "f", "prompt": "ab", **bad})
+    comp = wire.CompletionRequest.model_validate({"model": "f", "prompt": ["ab", "cd"], "max_tokens": 3})
     reqs = comp.to_generation_requests(engine)
     assert [r.prompt_ids for r in reqs] == [engine.tokenizer.encode("ab"), engine.tokenizer.encode("cd")]
 

@@ -11,8 +11,10 @@ import pytest
 from starlette.requests import Request
 
 from chorus.config import ChorusConfig
-from chorus.server.auth import hash_key
-from chorus.server.resolve import served_of
+from chorus.server.app import create_app
+from chorus.server.gateway.auth import hash_key
+from chorus.server.gateway.context import Context
+from chorus.server.gateway.services import services_of
 from tests.helpers import LiveServer, gateway
 
 CONFIG = {
@@ -108,5 +110,6 @@ def test_a_held_session_belongs_to_the_key_that_opened_it(server: LiveServer, ro
 
 def test_a_reply_without_the_step_is_refused() -> None:
     request = Request({"type": "http", "path": "/v1/new", "headers": [], "state": {}, "app": None})
+    ctx = Context(services_of(create_app(ChorusConfig.model_validate(CONFIG))), "id", 0.0, http=request)
     with pytest.raises(RuntimeError, match="replied without resolving its model"):
-        served_of(request)
+        ctx.resolved()

@@ -13,7 +13,8 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
-from chorus.server.auth import KeyStore, hash_key
+from chorus.server.gateway.auth import KeyStore, hash_key
+from chorus.server.gateway.services import services_of
 from tests.helpers import LiveServer, gateway, wait_until
 
 CONFIG = {
@@ -185,7 +186,7 @@ def test_access_log_has_the_request_id_and_no_prompt(server: LiveServer, caplog:
 
 
 def test_draining(server: LiveServer) -> None:
-    admission = server.app.state.admission
+    admission = services_of(server.app).admission
     admission.draining = True
     try:
         h = httpx.get(server.url + "/health")
@@ -207,7 +208,7 @@ def test_token_window_slides() -> None:
     import time
 
     from chorus.errors import RateLimited
-    from chorus.server.auth import Principal
+    from chorus.server.gateway.auth import Principal
 
     p = Principal("k", "h", tpm=100, rpm=3)
     p.admit(now=0.0)

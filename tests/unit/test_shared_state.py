@@ -271,7 +271,7 @@ async def test_a_feedback_batch_cut_off_at_shutdown_is_written_again(redis_serve
     import redis
 
     from chorus.config import FeedbackSection, StateSection
-    from chorus.server.feedback_store import RedisBook
+    from chorus.server.gateway.feedback_store import RedisBook
 
     redis_server.flush()
     book = RedisBook(FeedbackSection(), StateSection(store=redis_server.url))

@@ -10,12 +10,11 @@ from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 from typing import Any
 
-from chorus.server.streaming import sse_response
+from chorus.server.gateway.streaming import sse_response
 
 
 def request_due_in(seconds: float) -> Any:
-    state = SimpleNamespace(deadline=asyncio.get_running_loop().time() + seconds, timeout=seconds)
-    return SimpleNamespace(state=state)
+    return SimpleNamespace(deadline=asyncio.get_running_loop().time() + seconds, timeout=seconds)  # a Context's
 
 
 async def producer(delays: list[float], closed: list[str]) -> AsyncGenerator[dict[str, Any], None]:

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
 from chorus.errors import ConfigError
-from chorus.server import tracing
+from chorus.server.gateway import tracing
 from tests.helpers import LiveServer, gateway
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

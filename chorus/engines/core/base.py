@@ -295,7 +295,7 @@ REQUEST_SCOPE: contextvars.ContextVar[object | None] = contextvars.ContextVar("c
 #: the request's ``cache_salt`` (vLLM's field): an engine's prefix cache shares prefixes only under one salt; set by
 #: the route for everything the request runs (its sessions, an ensemble's members)
 CACHE_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_salt", default=None)
-#: the tenant the request runs for, as the prefix caches see it (an opaque token, server/tenancy.py): set by the
+#: the tenant the request runs for, as the prefix caches see it (an opaque token, server/gateway/tenancy.py): set by the
 #: gateway from the caller's key before any route runs, so no client field can widen it; None: unscoped
 CACHE_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_scope", default=None)
 
@@ -313,6 +313,13 @@ def prefix_salt() -> str | None:
 def request_scope() -> object | None:
     """The current request (`REQUEST_SCOPE`), or outside one the current task."""
     return REQUEST_SCOPE.get() or asyncio.current_task()
+
+
+async def cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (None: nothing) and wait until it has ended, its ``finally`` blocks run."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def gather_ready(count_ready: Callable[[], int], total: int, window_s: float, wake: asyncio.Event) -> None:

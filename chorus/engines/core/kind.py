@@ -7,12 +7,13 @@ server ask the kind.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+from chorus.lazy import load
 
 if TYPE_CHECKING:
     from chorus.engines.core.base import Engine
@@ -65,8 +66,7 @@ class EngineKind:
         return Path(str(spec.path or spec.source or "-"))
 
     def engine_class(self) -> Any:
-        module, _, name = self.engine.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return load(self.engine)
 
     def load(self, spec: ModelSpec, models: dict[str, ModelSpec]) -> Engine:
         """The engine of this entry, loaded (weights read, tokenizer built; not started)."""

@@ -11,7 +11,6 @@ branching on a kind's name. Adding a kind: its sub-package (engine, options, ``k
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 from chorus.engines.core.home import chorus_home
 from chorus.engines.core.kind import EngineKind
 from chorus.errors import ConfigError
+from chorus.lazy import load
 
 if TYPE_CHECKING:
     from chorus.engines.core.base import Engine
@@ -44,8 +44,7 @@ def engine_kind(kind: str) -> EngineKind:
     target = ENGINES.get(kind)
     if target is None:
         raise ConfigError(f"unknown engine {kind!r}; known: {', '.join(sorted(ENGINES))}")
-    module, _, name = target.partition(":")
-    found = getattr(importlib.import_module(module), name)
+    found = load(target)
     if not isinstance(found, EngineKind) or found.name != kind:
         raise ConfigError(f"engine kind {kind!r}: {target} is not its EngineKind")
     return found

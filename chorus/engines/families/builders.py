@@ -5,10 +5,11 @@ Adding a family: its builder and one line in `BUILDERS`."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from chorus.lazy import load
 
 BUILDERS: dict[str, str] = {
     "moe": "chorus.engines.families.moe:build_upcycle",  # sparse upcycling
@@ -19,5 +20,4 @@ BUILDERS: dict[str, str] = {
 
 
 def build(family: str, base_dir: Path, out: Path, options: dict[str, Any], log: Callable[[str], None]) -> None:
-    module, _, name = BUILDERS[family].partition(":")
-    getattr(importlib.import_module(module), name)(base_dir, out, options, force=True, log=log)
+    load(BUILDERS[family])(base_dir, out, options, force=True, log=log)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -284,3 +284,39 @@ class OverBase:
             self.save(model, tmp, extra={"seconds": round(time.perf_counter() - t0, 1)})
         log(f"retrofitted {base_dir.name} into {self.what} ({self.describe(cfg)}) at {out}")
         return out
+
+
+class SpansConfig(Protocol):
+    def check(self, n_layers: int) -> None: ...
+
+
+class OverBaseModel(torch.nn.Module):
+    """The common start of a model over a frozen base: the config checked against the base's depth and the base
+    kept (its embeddings, norm, head, rotary); the model then cuts its frozen layers into spans (`frozen_spans`)."""
+
+    base: Any  # the transformers model the layers come from
+    config: Any  # the base's transformers config
+    family: ClassVar[str]  #: its name in errors ("MoDr", "ReasonFormer")
+
+    def __init__(self, base: Any, cfg: SpansConfig) -> None:
+        super().__init__()
+        cfg.check(base.config.num_hidden_layers)
+        self.config = base.config
+        self.base = base
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What its checkpoint stores (its own weights; never the base's)."""
+        raise NotImplementedError
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Its weights from a checkpoint's tensors, every one present with its shape."""
+        want = self.state_tensors()
+        missing = sorted(set(want) - set(tensors))
+        if missing:
+            raise BuildError(f"{self.family} weights are missing {missing[:4]}")
+        with torch.no_grad():
+            for k, t in want.items():
+                if t.shape != tensors[k].shape:
+                    raise BuildError(f"{self.family} weight {k} has shape {tuple(tensors[k].shape)}, "
+                                     f"expected {tuple(t.shape)}")
+                t.copy_(tensors[k])

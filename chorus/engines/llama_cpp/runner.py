@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.engines.core.base import gather_ready
+from chorus.engines.core.base import cancelled, gather_ready
 from chorus.engines.llama_cpp.prefix_cache import PrefixCache
-from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite
+from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite, pick_driven
 from chorus.errors import EngineFailed, InvalidRequest
 
 log = logging.getLogger("chorus.llama_cpp")
@@ -103,10 +103,8 @@ class LlamaRunner:
             self._task = asyncio.create_task(self._loop(), name="llama-cpp-scheduler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
         for s in list(self.sessions):
             s.close()
         await asyncio.get_running_loop().run_in_executor(self.thread, self._free_native)
@@ -335,44 +333,12 @@ class LlamaRunner:
         first = out = self._decode(feeds)
         decodes = 1
         while True:
-            feeds, picks = self._pick(feeds, out)
+            feeds, picks = pick_driven(feeds, out)
             if not feeds or self._interrupt.is_set():
                 self._send(picks)
                 return first, decodes
             out = self._decode(feeds, picks)
             decodes += 1
-
-    def _pick(self, feeds: list[Feed], out: list[torch.Tensor]) -> tuple[list[Feed], Sent]:
-        """On the decode thread: each driven feed's next token from its logits; the feeds of the next decode
-        when every feed was driven (none when one was not: the event loop plans)."""
-        picks: Sent = []
-        again: list[Feed] = []
-        alone = True  # every feed driven
-        for f, rows in zip(feeds, out):
-            d = f.drive
-            if d is None:
-                alone = False
-                continue
-            d.pos = f.start + 1
-            if d.stopped:
-                continue
-            if not finite(rows[-1:]):
-                d.stopped = True
-                picks.append((d, non_finite()))
-                continue
-            try:
-                pick = d.picker(rows[-1])
-            except Exception as exc:  # a sampler's fault ends its choice only
-                d.stopped = True
-                picks.append((d, EngineFailed(f"sampling failed: {exc}")))
-                continue
-            picks.append((d, pick))
-            if pick.final:
-                d.stopped = True
-            else:
-                d.token = pick.token
-                again.append(Feed(f.seq, d.pos, [pick.token], True, True, d))
-        return (again if alone else []), picks
 
     def _send(self, picks: Sent) -> None:
         """From the decode thread: picks to the event loop. Sent just before the next llama_decode, which lets go
@@ -385,7 +351,7 @@ class LlamaRunner:
         """On the decode thread: one llama_decode of the planned tokens; each feed's logits rows. It reads only
         the feeds (taken on the event loop), never a session, which a client going away may close meanwhile.
         ``picks``: the previous decode's, sent to the event loop once the batch is set up. A driven feed's row
-        is a view of llama.cpp's logits buffer, valid until the next decode: only `_pick` reads it (measured: the
+        is a view of llama.cpp's logits buffer, valid until the next decode: only `pick_driven` reads it (measured: the
         copy took a third of the decode thread's time between two decodes)."""
         b = self.batch
         n = 0
@@ -411,7 +377,7 @@ class LlamaRunner:
             raise RuntimeError(f"llama_decode returned {rc}" + (" (no KV cells free: raise n_ctx)" if rc == 1 else ""))
         out = []
         for f, idx in zip(feeds, wanted):
-            if f.drive is not None:  # read by `_pick` before the next decode, then dropped: no copy
+            if f.drive is not None:  # read by `pick_driven` before the next decode, then dropped: no copy
                 row = self._row.from_address(ctypes.addressof(self.lib.llama_get_logits_ith(self.ctx, idx[0]).contents))
                 out.append(torch.from_numpy(np.frombuffer(memoryview(row), dtype=np.float32))[None])
                 continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -14,8 +14,18 @@ from chorus.engines.core.base import check_can_roll_back, check_extend, check_ro
 from chorus.engines.core.picks import Pick, TokenPicker
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
-if TYPE_CHECKING:
-    from chorus.engines.llama_cpp.runner import LlamaRunner
+
+class Scheduler(Protocol):
+    """What a session asks of the batch it runs in (runner.py's `LlamaRunner`)."""
+
+    max_model_len: int
+    sessions: set[LlamaSession]  #: the open sessions
+
+    def enqueue(self, session: LlamaSession, prefill: bool) -> None:
+        """Queue the session's waiting tokens for the next batch (``prefill``: its prompt)."""
+
+    def release(self, session: LlamaSession) -> None:
+        """The session is closed: free its sequence at the next batch."""
 
 MAX_EXTEND = 16  # tokens one session feeds in one batch (a longer extend takes several)
 
@@ -62,9 +72,9 @@ class Feed:
 
 
 class LlamaSession:
-    """One sequence: the `Session` protocol over a `LlamaRunner`."""
+    """One sequence: the `Session` protocol over a `LlamaRunner` (as its `Scheduler`)."""
 
-    def __init__(self, runner: LlamaRunner) -> None:
+    def __init__(self, runner: Scheduler) -> None:
         self._runner = runner
         self.seq: int | None = None  # the llama.cpp sequence id, taken at prefill
         self.length = 0  # tokens in the cache
@@ -166,3 +176,36 @@ def finite(rows: torch.Tensor) -> bool:
 def non_finite() -> EngineFailed:
     return EngineFailed("llama.cpp returned logits that are not numbers (NaN or inf) for this sequence; the model "
                         "or this build computes wrongly (the engine's start-up probe checks one prompt)")
+
+
+def pick_driven(feeds: list[Feed], out: list[torch.Tensor]) -> tuple[list[Feed], Sent]:
+    """On the decode thread: each driven feed's next token from its logits; the feeds of the next decode
+    when every feed was driven (none when one was not: the event loop plans)."""
+    picks: Sent = []
+    again: list[Feed] = []
+    alone = True  # every feed driven
+    for f, rows in zip(feeds, out):
+        d = f.drive
+        if d is None:
+            alone = False
+            continue
+        d.pos = f.start + 1
+        if d.stopped:
+            continue
+        if not finite(rows[-1:]):
+            d.stopped = True
+            picks.append((d, non_finite()))
+            continue
+        try:
+            pick = d.picker(rows[-1])
+        except Exception as exc:  # a sampler's fault ends its choice only
+            d.stopped = True
+            picks.append((d, EngineFailed(f"sampling failed: {exc}")))
+            continue
+        picks.append((d, pick))
+        if pick.final:
+            d.stopped = True
+        else:
+            d.token = pick.token
+            again.append(Feed(f.seq, d.pos, [pick.token], True, True, d))
+    return (again if alone else []), picks

@@ -27,7 +27,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback, gather_ready, prefix_salt
+from chorus.engines.core.base import (
+    cancelled,
+    check_can_roll_back,
+    check_extend,
+    check_rollback,
+    gather_ready,
+    prefix_salt,
+)
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob, resolve
@@ -163,10 +170,8 @@ class BatchRunner:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="chorus-batch-runner")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
         for s in list(self.sessions):
             s.close()
         self._fail_all(EngineUnavailable("engine is shutting down"))

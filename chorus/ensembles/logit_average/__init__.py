@@ -1,6 +1,6 @@
 """The ``logit_average`` strategy (docs/methods.md §1): token-level ensembles.
 
-- ``strategy.py``: the strategy and its parameters; it finds its parts through `registry.py`;
+- ``strategy.py``: the strategy, ``params.py`` its parameters; it finds its parts through `registry.py`;
 - ``mixing.py``: `Mixing`, the one frozen config of how a request's members combine (weights, space, mode,
   lead, gate, k, temperature), and `mix` itself;
 - the alignments (``align:``): ``shared_vocab.py`` (`LogitAverage`, one vocabulary; itself an engine) and

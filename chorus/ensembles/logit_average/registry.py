@@ -6,8 +6,9 @@ and one line in `MODES`; an alignment: an `Aligned` class (shared_vocab.py is th
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from chorus.lazy import load
 
 ALIGNS: dict[str, str] = {
     "vocab": "chorus.ensembles.logit_average.shared_vocab:LogitAverage",
@@ -24,8 +25,7 @@ def _load(table: dict[str, str], name: str, what: str) -> Any:
     target = table.get(name)
     if target is None:
         raise ValueError(f"'{what}' must be one of {', '.join(table)}")
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return load(target)
 
 
 def align_class(name: str) -> Any:

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from chorus.engines.core.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session
 from chorus.engines.core.generation import SessionEngine
 from chorus.engines.core.scoring import mixture_logprob
-from chorus.ensembles.call import Call, gather
+from chorus.ensembles.call import Call, Member, gather
 from chorus.ensembles.logit_average.mixing import SPACES, Mixing, normalised_weights
+from chorus.ensembles.logit_average.params import LogitAverageParams
 from chorus.ensembles.logit_average.registry import mode_class
 from chorus.ensembles.logit_average.stepping import MemberSessions
 from chorus.ensembles.metrics import TOKEN_CONSULTED, TOKEN_POSITIONS
 from chorus.errors import CapabilityMismatch, InvalidRequest
-
-if TYPE_CHECKING:
-    from chorus.ensembles.logit_average.strategy import LogitAverageParams, LogitAverageStrategy
 
 
 class LogitAverage(SessionEngine):
@@ -85,16 +83,17 @@ class LogitAverage(SessionEngine):
         self._open: set[MemberSessions] = set()
 
     @classmethod
-    def for_strategy(cls, strategy: LogitAverageStrategy, skip: bool,
-                     on_drop: Callable[[str, str], None] | None = None, prompts: list[list[int]] | None = None,
-                     per_token: bool = True) -> LogitAverage:
-        p = strategy.params
+    def for_members(cls, members: list[Member], p: LogitAverageParams, lead: int, personas: bool, skip: bool,
+                    on_drop: Callable[[str, str], None] | None = None, prompts: list[list[int]] | None = None,
+                    per_token: bool = True) -> LogitAverage:
+        """The aligned engine of one request over ``members``, mixed as ``p`` says (``lead``: the lead's index;
+        ``personas``: members carry their own system prompts)."""
         gate_by = p.gate_by or "top1"
         mixing = Mixing(weights=tuple(p.weights) if p.weights is not None else None, space=p.space, mode=p.mode,
-                        lead=strategy.lead_index(), gate_by=gate_by,
+                        lead=lead, gate_by=gate_by,
                         gate=p.gate if p.gate is not None else (1.0 if gate_by == "entropy" else 0.5),
                         k=p.k or 4, temperature=p.mixture_temperature)
-        return cls([m.engine for m in strategy.members], mixing, labels=[m.label for m in strategy.members],
+        return cls([m.engine for m in members], mixing, labels=[m.label for m in members],
                    skip=skip, on_drop=on_drop, prompts=prompts, per_token=per_token)
 
     @staticmethod

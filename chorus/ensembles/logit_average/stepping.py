@@ -8,16 +8,29 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from chorus.ensembles.call import message
-from chorus.ensembles.logit_average.mixing import mix
+from chorus.ensembles.logit_average.mixing import Mixing, mix
 from chorus.errors import InvalidRequest, MemberFailed
 
-if TYPE_CHECKING:
-    from chorus.ensembles.logit_average.shared_vocab import LogitAverage
+
+class Owner(Protocol):
+    """What member sessions read from the engine that opened them (shared_vocab.py's `LogitAverage`)."""
+
+    mixing: Mixing
+    weights: torch.Tensor
+    vocab: int
+    labels: list[str]
+    tally: Any
+    prompts: list[list[int]] | None
+    skip: bool
+    on_drop: Callable[[str, str], None] | None
+
+    def closed(self, session: MemberSessions) -> None:
+        """The session closed: forget it."""
 
 
 class TokenAgreement:
@@ -159,7 +172,7 @@ class MemberSessions:
     eager: ClassVar[bool] = True
     agreement: ClassVar[bool] = False
 
-    def __init__(self, members: list[Any], owner: LogitAverage) -> None:
+    def __init__(self, members: list[Any], owner: Owner) -> None:
         mixing = owner.mixing
         self.members = members
         self.owner = owner
@@ -221,7 +234,7 @@ class LeadSessionBase(MemberSessions):
 
     options = frozenset({"lead"})
 
-    def __init__(self, members: list[Any], owner: LogitAverage) -> None:
+    def __init__(self, members: list[Any], owner: Owner) -> None:
         super().__init__(members, owner)
         self.lead = owner.mixing.lead
 

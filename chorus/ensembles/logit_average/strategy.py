@@ -9,10 +9,9 @@ from one frozen `Mixing`; the strategy only asks it to stream and to account, wh
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.trace import StatusCode
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from chorus.engines.core.base import Delta, TokenLogprob
 from chorus.engines.core.generation import check_context
@@ -20,48 +19,12 @@ from chorus.ensembles import spans
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
-from chorus.ensembles.logit_average.registry import ALIGNS, MODES, align_class, option_modes
+from chorus.ensembles.logit_average.params import LogitAverageParams
+from chorus.ensembles.logit_average.registry import align_class
 from chorus.ensembles.logit_average.shared_vocab import LogitAverage
 from chorus.errors import InvalidRequest
 
 __all__ = ["LogitAverage", "LogitAverageParams", "LogitAverageStrategy"]
-
-
-class LogitAverageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    weights: list[float] | None = Field(default=None, description="one per member; normalised; default equal")
-    space: Literal["probability", "logit"] = "probability"
-    align: str = Field(default="vocab", description="vocab: members share one vocabulary; topk_union: UniTE "
-                       "over token strings (registry.py: ALIGNS)")
-    top_k: int = Field(default=10, ge=1, le=100, description="topk_union: tokens each member proposes per step")
-    mode: str = Field(
-        default="full", description="full: every member every token; selective: the lead decodes, the others "
-        "are consulted where it is unsure; speculative: the lead drafts k tokens, the others verify them "
-        "(registry.py: MODES)")
-    lead: int | str | None = Field(default=None, description="selective / speculative: the member that decodes "
-                                   "(its label or index); default the first")
-    gate_by: Literal["top1", "entropy"] | None = Field(
-        default=None, description="selective: consult when the lead's top-1 probability is below the gate "
-        "(top1, the default) or its entropy in nats above it (entropy)")
-    gate: float | None = Field(default=None, gt=0.0, description="selective: the threshold (default 0.5 for "
-                               "top1, 1.0 for entropy)")
-    k: int | None = Field(default=None, ge=1, le=16, description="speculative: tokens drafted per round (default 4)")
-    mixture_temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="divides the combined "
-                                       "log-probabilities where members are combined (< 1 sharpens)")
-
-    @model_validator(mode="after")
-    def _parts(self) -> LogitAverageParams:
-        for name, table in (("align", ALIGNS), ("mode", MODES)):
-            if getattr(self, name) not in table:
-                raise ValueError(f"'{name}' must be one of {', '.join(table)}, not {getattr(self, name)!r}")
-        for name, modes in option_modes().items():
-            if getattr(self, name) is not None and self.mode not in modes:
-                raise ValueError(f"'{name}' applies to mode {' or '.join(modes)}, not {self.mode!r}")
-        if self.gate_by != "entropy" and self.gate is not None and self.gate > 1:
-            raise ValueError("a top1 gate is a probability: at most 1")
-        align_class(self.align).check_params(self)
-        return self
 
 
 class LogitAverageStrategy(Strategy):
@@ -108,7 +71,8 @@ class LogitAverageStrategy(Strategy):
     def engine(self, skip: bool, on_drop: Callable[[str, str], None] | None = None,
                prompts: list[list[int]] | None = None, per_token: bool = True) -> Any:
         """This request's aligned engine (`LogitAverage` or `TopkUnion`), from one frozen `Mixing`."""
-        return self.aligned.for_strategy(self, skip, on_drop, prompts, per_token)
+        return self.aligned.for_members(self.members, self.params, self.lead_index(), self.personas, skip,
+                                        on_drop, prompts, per_token)
 
     async def prompt_logprobs(self, call: Call, k: int) -> tuple[list[str], list[TokenLogprob | None]]:
         """The mixture's logprob of each prompt token (shared vocabulary: every member steps the same ids)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,13 +37,11 @@ from chorus.engines.core.detokenize import TextAssembler
 from chorus.engines.core.generation import check_context, open_guide
 from chorus.engines.core.sampling import logprob_info, make_generator, sample
 from chorus.engines.core.vocab import vocab_of
-from chorus.ensembles.call import Call
+from chorus.ensembles.call import Call, Member
 from chorus.ensembles.logit_average.mixing import normalised_weights
+from chorus.ensembles.logit_average.params import LogitAverageParams
 from chorus.ensembles.logit_average.stepping import step_members
 from chorus.errors import CapabilityMismatch, InvalidRequest
-
-if TYPE_CHECKING:
-    from chorus.ensembles.logit_average.strategy import LogitAverageParams, LogitAverageStrategy
 
 EOS = "\x00<eos>"  # the union entry for end-of-sequence
 
@@ -70,16 +68,17 @@ class TopkUnion:
         self.fed = [0] * len(members)  # tokens fed to each member (usage)
 
     @classmethod
-    def for_strategy(cls, strategy: LogitAverageStrategy, skip: bool,
-                     on_drop: Callable[[str, str], None] | None = None, prompts: list[list[int]] | None = None,
-                     per_token: bool = True) -> TopkUnion:
-        p = strategy.params
-        if strategy.personas:
+    def for_members(cls, members: list[Member], p: LogitAverageParams, lead: int, personas: bool, skip: bool,
+                    on_drop: Callable[[str, str], None] | None = None, prompts: list[list[int]] | None = None,
+                    per_token: bool = True) -> TopkUnion:
+        """The aligned engine of one request over ``members``, mixed as ``p`` says (``lead``: the lead's index;
+        ``personas``: members carry their own system prompts)."""
+        if personas:
             raise InvalidRequest("per-member system prompts need align: vocab (topk_union renders one prompt per "
                                  "member's own template already, from the request's messages).",
                                  param="ensemble.members")
-        return cls([m.engine for m in strategy.members], p.weights, p.top_k,
-                   labels=[m.label for m in strategy.members], skip=skip, on_drop=on_drop)
+        return cls([m.engine for m in members], p.weights, p.top_k,
+                   labels=[m.label for m in members], skip=skip, on_drop=on_drop)
 
     @staticmethod
     def check_params(p: LogitAverageParams) -> None:

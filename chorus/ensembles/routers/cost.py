@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.ensembles.call import Call, Member
-from chorus.ensembles.routers.base import ExampleRouter, RouteParams
+from chorus.ensembles.routers.base import ExampleRouter
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import InvalidRequest
 
@@ -29,10 +31,26 @@ def difficulty(query: np.ndarray, hard: np.ndarray, easy: np.ndarray | None, k: 
     return s - knn_similarity(query, easy, k) if easy is not None else s
 
 
-class CostRouter(ExampleRouter):
-    fields = frozenset({"hard_examples", "easy_examples", "thresholds", "k"})
+class CostParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+    hard_examples: list[str] | None = Field(default=None, description="prompts that need a strong model")
+    easy_examples: list[str] | None = Field(default=None, description="prompts a weak model handles")
+    thresholds: list[float] | None = Field(default=None, description="ascending, one fewer than members")
+    k: int = Field(default=5, ge=1, le=100, description="nearest examples that count")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _ascending(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and any(b < a for a, b in itertools.pairwise(v)):
+            raise ValueError("thresholds must be in ascending order (members go cheap to expensive)")
+        return v
+
+
+class CostRouter(ExampleRouter):
+    Params = CostParams
+
+    def __init__(self, params: CostParams, members: list[Member]) -> None:
         super().__init__(params, members)
         n = len(members)
         if not params.hard_examples:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from chorus.ensembles.call import Call, Member
-from chorus.ensembles.routers.base import RouteParams, Router
+from chorus.ensembles.routers.base import Router
 from chorus.ensembles.routers.learned_model import ARTIFACT, LearnedRouter
 from chorus.ensembles.selector_model import load_trained
 from chorus.ensembles.similarity import Embedder
@@ -23,11 +25,19 @@ def load_router(name: str | None, members: list[str]) -> LearnedRouter:
     return router
 
 
+class LearnedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    artifact: str | None = Field(default=None, description="a router trained by chorus bench selector")
+    margin: float | None = Field(default=None, ge=0.0, le=1.0,
+                                 description="predicted-accuracy margin for a cheaper member (the artifact's)")
+
+
 class LearnedRouting(Router):
-    fields = frozenset({"artifact", "margin"})
+    Params = LearnedParams
     scores_choices = True
 
-    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+    def __init__(self, params: LearnedParams, members: list[Member]) -> None:
         super().__init__(params, members)
         self.learned = load_router(params.artifact, [m.spec.model for m in members])
 

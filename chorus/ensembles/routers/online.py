@@ -20,14 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from prometheus_client import Counter, Summary
+from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.ensembles.call import Call, Member
 from chorus.ensembles.routers.bandit import OnlinePolicy, PolicyParams, features, projection
-from chorus.ensembles.routers.base import RouteParams, Router
+from chorus.ensembles.routers.base import Router
 from chorus.ensembles.routers.outcomes import Outcomes
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import ConfigError, InvalidRequest
@@ -42,11 +43,28 @@ FEEDBACKS = Counter("chorus_online_feedback_total", "feedbacks an online router 
                     ["ensemble", "arm"])
 REWARDS = Summary("chorus_online_reward", "the rewards an online router learned, per arm", ["ensemble", "arm"])
 
-OWN = frozenset({"ensembles", "metric", "cost_weight", "cost", "alpha", "explore", "explore_half_life",
-                 "explore_floor", "warmup", "discount", "dims", "default"})
+class OnlineParams(BaseModel):
+    """Arms are the members and ``ensembles``; the policy's parameters default to routers/bandit.py's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ensembles: list[str] | None = Field(default=None, description="named ensembles that are arms too")
+    metric: str | None = Field(default=None, description="the feedback metric it learns from (required)")
+    cost_weight: float | None = Field(default=None, ge=0.0, description="reward minus this x cost (0)")
+    cost: Literal["tokens", "price"] | None = Field(
+        default=None, description="cost in thousands of tokens, or by the config's prices (tokens)")
+    alpha: float | None = Field(default=None, ge=0.0, description="confidence bonus weight (0.3)")
+    explore: float | None = Field(default=None, ge=0.0, le=1.0, description="first exploration rate (0.1)")
+    explore_half_life: float | None = Field(default=None, gt=0.0, description="feedbacks until exploration halves (200)")
+    explore_floor: float | None = Field(default=None, ge=0.0, le=1.0, description="exploration never below this (0.02)")
+    warmup: int | None = Field(default=None, ge=0, description="feedbacks before it chooses (30)")
+    discount: float | None = Field(default=None, gt=0.0, le=1.0,
+                                   description="weight kept by old evidence per update (1: all)")
+    dims: int | None = Field(default=None, ge=0, le=384, description="embedding projected to this many numbers (0: all 384)")
+    default: str | None = Field(default=None, description="the arm of the safe start (first)")
 
 
-def policy_params(p: RouteParams) -> PolicyParams:
+def policy_params(p: OnlineParams) -> PolicyParams:
     """The policy's parameters: the ensemble's where given, else the documented defaults."""
     given = {f: getattr(p, f) for f in ("alpha", "explore", "explore_half_life", "explore_floor", "warmup",
                                         "discount") if getattr(p, f) is not None}
@@ -54,10 +72,10 @@ def policy_params(p: RouteParams) -> PolicyParams:
 
 
 class OnlineRouter(Router):
-    fields = OWN
+    Params = OnlineParams
     learns_online = True
 
-    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+    def __init__(self, params: OnlineParams, members: list[Member]) -> None:
         super().__init__(params, members)
         if not params.metric:
             raise InvalidRequest("router: online needs 'metric': the feedback metric it learns from.",
@@ -83,7 +101,7 @@ class OnlineRouter(Router):
         self._sync = asyncio.Lock()
 
     @classmethod
-    def check_links(cls, params: RouteParams, name: str, ensembles: set[str], metrics: set[str]) -> None:
+    def check_links(cls, params: OnlineParams, name: str, ensembles: set[str], metrics: set[str]) -> None:
         if not params.metric:
             raise InvalidRequest("router: online needs 'metric': the feedback metric it learns from.",
                                  param="ensemble.metric")

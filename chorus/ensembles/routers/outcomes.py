@@ -7,7 +7,7 @@ rebuilds its model by reading the log from the start. The log is bounded (the ol
 ``max_events``), so memory is bounded and a rebuilt model reflects the recent past.
 
 `MemoryOutcomes` is this process's log (the embedded default: one replica); the gateway's Redis store
-(server/feedback_store.py) keeps it in a Redis stream per ensemble when ``server.state.store`` is Redis.
+(server/gateway/feedback_store.py) keeps it in a Redis stream per ensemble when ``server.state.store`` is Redis.
 """
 
 from __future__ import annotations

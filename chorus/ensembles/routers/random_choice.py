@@ -5,15 +5,23 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from chorus.ensembles.call import Call, Member
-from chorus.ensembles.routers.base import RouteParams, Router
+from chorus.ensembles.routers.base import Router
 from chorus.errors import InvalidRequest
 
 
-class RandomRouter(Router):
-    fields = frozenset({"weights"})
+class RandomParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+    weights: list[float] | None = Field(default=None, description="one per member (default equal)")
+
+
+class RandomRouter(Router):
+    Params = RandomParams
+
+    def __init__(self, params: RandomParams, members: list[Member]) -> None:
         super().__init__(params, members)
         n = len(members)
         w = params.weights

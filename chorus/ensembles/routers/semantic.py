@@ -9,8 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from chorus.ensembles.call import Call, Member
-from chorus.ensembles.routers.base import ExampleRouter, RouteParams
+from chorus.ensembles.routers.base import ExampleRouter
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import InvalidRequest
 
@@ -32,10 +34,21 @@ def load_examples(path: str) -> dict[str, list[str]]:
     return out
 
 
-class SemanticRouter(ExampleRouter):
-    fields = frozenset({"examples", "examples_file", "k", "threshold", "default"})
+class SemanticParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, params: RouteParams, members: list[Member]) -> None:
+    examples: dict[str, list[str]] | None = Field(default=None, description="member label -> prompts")
+    examples_file: str | None = Field(default=None, description='JSONL of {"member": ..., "prompt": ...}')
+    k: int = Field(default=5, ge=1, le=100, description="nearest examples that count")
+    threshold: float | None = Field(default=None, ge=-1.0, le=1.0,
+                                    description="below this best similarity the default member answers")
+    default: str | None = Field(default=None, description="member label for unmatched prompts (first)")
+
+
+class SemanticRouter(ExampleRouter):
+    Params = SemanticParams
+
+    def __init__(self, params: SemanticParams, members: list[Member]) -> None:
         super().__init__(params, members)
         labels = [m.label for m in members]
         examples = dict(params.examples or {})

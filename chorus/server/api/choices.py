@@ -16,16 +16,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from chorus.ensembles.call import Prompt
 from chorus.ensembles.choice_scores import COMBINES, ChoiceAnswer, ChoiceQuestion
 from chorus.errors import InvalidRequest
-from chorus.server import ensemble_calls, protocol
-from chorus.server.accounting import settle
-from chorus.server.resolve import model_for
-from chorus.server.streaming import until_disconnect
+from chorus.server import plan
+from chorus.server.gateway.accounting import settle
+from chorus.server.gateway.context import Ctx
+from chorus.server.resolve import resolve
+from chorus.server.wire import render
+from chorus.server.wire import request as wire
 
 router = APIRouter()
 
@@ -35,7 +36,7 @@ class ChoicesRequest(BaseModel):
 
     model: str = Field(min_length=1)
     prompt: str | None = Field(default=None, description="text the choices continue")
-    messages: list[protocol.ChatMessage] | None = Field(
+    messages: list[wire.ChatMessage] | None = Field(
         default=None, description="or: a chat, rendered with the template"
     )
     choices: list[str] = Field(description="the candidate continuations")
@@ -65,34 +66,22 @@ class ChoicesRequest(BaseModel):
 
 
 @router.post("/v1/choices")
-async def choices(req: ChoicesRequest, request: Request) -> dict[str, Any]:
-    limits = request.app.state.config.server.limits
+async def choices(req: ChoicesRequest, ctx: Ctx) -> dict[str, Any]:
+    limits = ctx.config.server.limits
     if len(req.choices) > limits.max_choices:
         raise InvalidRequest(f"At most {limits.max_choices} choices per request on this server (got "
                              f"{len(req.choices)}).", param="choices")
     question = req.question()
-    ensemble = ensemble_calls.find_ensemble(request, req)
-    if ensemble is not None:
-        ensemble_calls.admit(request, req, ensemble)
-        call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text))
-        ensemble_calls.charge_members(request, call)
-        answer = await until_disconnect(request, ensemble.score_choices(call, question, req.combine))
-        usage = protocol.usage(call.usage.prompt_tokens, 0)
-    else:
-        if req.combine is not None:
-            raise InvalidRequest("'combine' applies to ensembles only.", param="combine")
-        if req.trace:
-            raise InvalidRequest("'trace' on /v1/choices applies to ensembles only.", param="trace")
-        engine = model_for(request, req.model, body=req)
-        answer, tokens = await until_disconnect(request, question.answer(engine))
-        usage = protocol.usage(tokens, 0)
-    settle(request, req.model, usage)
+    target = resolve(ctx, req, use="score")
+    answer, prompt_tokens = await plan.choices(ctx, target, question, req.combine, req.trace)
+    usage = render.usage(prompt_tokens, 0)
+    settle(ctx, req.model, usage)
     return reply(req, answer, usage)
 
 
 def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": protocol.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
+        "id": render.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
         "choices": [{"index": i, "text": text,
                      "logprob": None if answer.logprobs is None else answer.logprobs[i],
                      "tokens": None if answer.tokens is None else answer.tokens[i],

@@ -13,16 +13,17 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.embedding.engine import EmbeddingEngine
-from chorus.errors import CapabilityMismatch, InvalidRequest
-from chorus.server.accounting import settle
-from chorus.server.replies import json_response
-from chorus.server.resolve import ensembles, model_for
-from chorus.server.streaming import until_disconnect
+from chorus.errors import InvalidRequest
+from chorus.server.gateway.accounting import settle
+from chorus.server.gateway.context import Ctx
+from chorus.server.gateway.streaming import until_disconnect
+from chorus.server.reply import json_response
+from chorus.server.resolve import ModelTarget, resolve
 
 router = APIRouter()
 
@@ -47,19 +48,6 @@ class EmbeddingsRequest(BaseModel):
         return list(x)  # type: ignore[arg-type]
 
 
-def embedder(request: Request, name: str) -> EmbeddingEngine:
-    if name in ensembles(request):
-        raise CapabilityMismatch(f"'{name}' is an ensemble of language models: it generates text and scores "
-                                 "choices; it does not embed. Ask an embedding model (GET /v1/models: kind "
-                                 "'embedding').", param="model")
-    engine = model_for(request, name)
-    if not isinstance(engine, EmbeddingEngine):
-        raise CapabilityMismatch(f"The model '{name}' is not an embedding model: it generates text (chat, "
-                                 "completions) and scores choices; ask an embedding model for embeddings (GET "
-                                 "/v1/models: kind 'embedding').", param="model")
-    return engine
-
-
 def encode(vector: np.ndarray, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode()
@@ -67,21 +55,23 @@ def encode(vector: np.ndarray, fmt: str) -> list[float] | str:
 
 
 @router.post("/v1/embeddings", response_model=None)
-async def embeddings(req: EmbeddingsRequest, request: Request) -> Response:
-    engine = embedder(request, req.model)
+async def embeddings(req: EmbeddingsRequest, ctx: Ctx) -> Response:
+    target = resolve(ctx, req, use="embed")
+    engine = target.engine if isinstance(target, ModelTarget) else None
+    assert isinstance(engine, EmbeddingEngine)  # resolve refused ensembles and every other kind of model
     if req.dimensions is not None and req.dimensions != engine.dimensions:
         raise InvalidRequest(f"'{req.model}' gives {engine.dimensions}-dimensional embeddings and cannot be "
                              f"shortened (it is not trained for it); leave 'dimensions' out or send "
                              f"{engine.dimensions}.", param="dimensions")
     inputs = req.inputs()
-    most = request.app.state.config.server.limits.max_embedding_inputs
+    most = ctx.config.server.limits.max_embedding_inputs
     if len(inputs) > most:
         raise InvalidRequest(f"At most {most} inputs per request on this server (got {len(inputs)}).", param="input")
     ids = engine.token_ids(inputs)
-    vectors = await until_disconnect(request, engine.embed(ids))
+    vectors = await until_disconnect(ctx, engine.embed(ids))
     tokens = sum(len(x) for x in ids)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    settle(request, req.model, {"prompt_tokens": tokens, "completion_tokens": 0})
+    settle(ctx, req.model, {"prompt_tokens": tokens, "completion_tokens": 0})
     data: list[dict[str, Any]] = [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
                                   for i, v in enumerate(vectors)]
     return json_response({"object": "list", "data": data, "model": req.model, "usage": usage})

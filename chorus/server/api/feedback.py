@@ -4,7 +4,7 @@ by the id chorus returned for it (the ``X-Request-ID`` header; the openai SDK's 
 Body: ``request_id``, ``metric`` (one of ``server.feedback.metrics``), ``value`` (``true``/``false`` for a boolean
 metric, a number for a number metric, within its ``min``/``max`` when given). From the key that made the request
 (any replica: the records are in the shared state store). Refused, each naming the field: an undeclared metric or
-a value of the wrong type (400), another key's request (403), an id that is unknown or older than
+a value of the wrong type (400), another key's request (404, as an unknown one), an id that is unknown or older than
 ``feedback.keep_s`` (404), a second feedback on the same metric for one request (409), the shared state store
 (Redis) out of reach (503 with ``Retry-After``; nothing is marked, so the same feedback can be sent again). When an online router
 decided the request and learns from that metric, it learns the reward (``learned_by`` in the reply names it).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
@@ -27,7 +27,8 @@ from chorus.errors import (
     RequestNotFound,
     StoreUnavailable,
 )
-from chorus.server.replies import json_response
+from chorus.server.gateway.context import Context, Ctx
+from chorus.server.reply import json_response
 
 router = APIRouter()
 FEEDBACK = Counter("chorus_feedback_total", "feedback received, per metric and outcome", ["metric", "outcome"])
@@ -41,8 +42,8 @@ class FeedbackRequest(BaseModel):
     value: StrictBool | StrictInt | StrictFloat
 
 
-def declared(request: Request, name: str) -> FeedbackMetric:
-    metrics = {m.name: m for m in request.app.state.config.server.feedback.metrics}
+def declared(ctx: Context, name: str) -> FeedbackMetric:
+    metrics = {m.name: m for m in ctx.config.server.feedback.metrics}
     found = metrics.get(name)
     if found is None:
         raise InvalidRequest(f"Unknown feedback metric {name!r}; this server accepts: "
@@ -67,13 +68,13 @@ def checked_value(metric: FeedbackMetric, value: bool | float) -> float:
 
 
 @router.post("/v1/feedback", response_model=None)
-async def feedback(request: Request, body: FeedbackRequest) -> Response:
-    metric = declared(request, body.metric)
+async def feedback(body: FeedbackRequest, ctx: Ctx) -> Response:
+    metric = declared(ctx, body.metric)
     value = checked_value(metric, body.value)
     try:
-        return await join(request, body, metric, value)
+        return await join(ctx, body, metric, value)
     except Exception as exc:
-        from chorus.server.redis_state import is_outage
+        from chorus.server.gateway.redis_state import is_outage
 
         if not isinstance(exc, GatewayError) and is_outage(exc):
             FEEDBACK.labels(metric.name, "store_unavailable").inc()
@@ -82,13 +83,12 @@ async def feedback(request: Request, body: FeedbackRequest) -> Response:
         raise
 
 
-async def join(request: Request, body: FeedbackRequest, metric: FeedbackMetric, value: float) -> Response:
+async def join(ctx: Context, body: FeedbackRequest, metric: FeedbackMetric, value: float) -> Response:
     """Find the request, check its key, mark the metric (once), and let an online router that decided it learn."""
-    book = request.app.state.feedback
+    book = ctx.services.feedback
     record = await book.recall(body.request_id)
-    keep_s = request.app.state.config.server.feedback.keep_s
-    principal = getattr(request.state, "principal", None)
-    mine = record is not None and record["key"] == (principal.name if principal is not None else None)
+    keep_s = ctx.config.server.feedback.keep_s
+    mine = record is not None and record["key"] == ctx.owner
     if record is not None and not mine:
         FEEDBACK.labels(metric.name, "other_key").inc()
     elif record is None:
@@ -97,6 +97,7 @@ async def join(request: Request, body: FeedbackRequest, metric: FeedbackMetric, 
         raise RequestNotFound(f"No request {body.request_id!r} of this key to give feedback on: unknown, made with "
                               f"another key, or older than {keep_s:g} s (server.feedback.keep_s).",
                               param="request_id")
+    assert record is not None
     if not await book.mark(body.request_id, metric.name, value):
         FEEDBACK.labels(metric.name, "duplicate").inc()
         raise FeedbackExists(f"The request {body.request_id!r} already has feedback on {metric.name!r}.",
@@ -104,7 +105,7 @@ async def join(request: Request, body: FeedbackRequest, metric: FeedbackMetric, 
     learned_by = None
     decision: dict[str, Any] | None = record.get("decision")
     if decision is not None:
-        ensemble = request.app.state.ensembles.get(decision.get("ensemble"))
+        ensemble = ctx.services.ensembles.get(str(decision.get("ensemble")))
         if ensemble is not None and ensemble.strategy.feedback_metric() == metric.name:
             try:
                 if await ensemble.strategy.learn(decision, metric.quality(value), record["tokens"], record["price"]):

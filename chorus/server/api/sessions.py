@@ -29,29 +29,21 @@ one forward (a lagging member's catch-up, a proposal's verification). v1 stays a
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.core.base import CACHE_SALT, LOGITS, Session
+from chorus.engines.core.base import CACHE_SALT
 from chorus.engines.remote.session_wire import next_token
-from chorus.errors import (
-    CapabilityMismatch,
-    InvalidRequest,
-    RateLimited,
-    SessionBusy,
-    SessionNotFound,
-)
-from chorus.server.resolve import admit, model_for, owner_of
+from chorus.errors import InvalidRequest, RateLimited, SessionBusy
+from chorus.server.gateway.context import Context, Ctx
+from chorus.server.gateway.held_sessions import Held
+from chorus.server.resolve import admit, model
 
-log = logging.getLogger("chorus.sessions")
 API_VERSION = "2"  # the newest this worker speaks (the header on every response); v1 paths stay served
 router = APIRouter(prefix="/chorus/v1/sessions")
 router_v2 = APIRouter(prefix="/chorus/v2/sessions")
@@ -82,92 +74,23 @@ class StepBodyV2(BaseModel):
     top_k: int | None = Field(default=None, ge=1, le=1000)
 
 
-@dataclass
-class Held:
-    id: str
-    model: str
-    session: Session
-    vocab_size: int
-    length: int
-    owner: str | None = None  #: the key that opened it: only that key may step, read or close it
-    last_used: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class SessionStore:
-    """Open sessions by id; a reaper closes the ones idle past the timeout."""
-
-    def __init__(self, idle_timeout_s: float, max_open: int) -> None:
-        self.idle_timeout_s = idle_timeout_s
-        self.max_open = max_open
-        self.held: dict[str, Held] = {}
-        self.expired = 0
-        self._reaper: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="chorus-session-reaper")
-
-    async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
-            self._reaper = None
-        for held in list(self.held.values()):
-            self.close(held.id)
-
-    async def _reap(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
-            self.reap_now()
-
-    def reap_now(self) -> int:
-        now = time.monotonic()
-        idle = [h.id for h in self.held.values() if not h.lock.locked() and now - h.last_used > self.idle_timeout_s]
-        for sid in idle:
-            self.close(sid)
-            self.expired += 1
-        if idle:
-            log.info("freed %d idle session(s)", len(idle))
-        return len(idle)
-
-    def get(self, sid: str, owner: str | None = None) -> Held:
-        held = self.held.get(sid)
-        if held is None or held.owner != owner:  # another key's session is not there for this one
-            raise SessionNotFound(f"No open session {sid!r}: it was closed, or freed after "
-                                  f"{self.idle_timeout_s:g} s idle.", param="id")
-        return held
-
-    def close(self, sid: str) -> bool:
-        held = self.held.pop(sid, None)
-        if held is not None:
-            held.session.close()
-        return held is not None
-
-
-def _store(request: Request) -> SessionStore:
-    return request.app.state.sessions
-
-
 def _body(held: Held, top_k: int | None, logits: torch.Tensor) -> dict[str, Any]:
     return {"id": held.id, "object": "chorus.session", "model": held.model, "length": held.length,
             "next": next_token(logits, top_k)}
 
 
 @router.get("")
-async def list_sessions(request: Request, response: Response) -> dict[str, Any]:
-    store = _store(request)
+async def list_sessions(response: Response, ctx: Ctx) -> dict[str, Any]:
+    store = ctx.services.sessions
     response.headers["X-Chorus-Session-API"] = API_VERSION
     return {"object": "list", "open": len(store.held), "max_open": store.max_open,
             "idle_timeout_s": store.idle_timeout_s, "expired": store.expired}
 
 
 @router.post("")
-async def open_session(body: OpenBody, request: Request, response: Response) -> dict[str, Any]:
-    store = _store(request)
-    engine = model_for(request, body.model)
-    if LOGITS not in engine.capabilities:
-        raise CapabilityMismatch(f"{body.model} has no token-level logits to serve over sessions.", param="model")
+async def open_session(body: OpenBody, response: Response, ctx: Ctx) -> dict[str, Any]:
+    store = ctx.services.sessions
+    engine = model(ctx, body.model, "session")
     vocab = engine.tokenizer.vocab_size
     if any(t < 0 or t >= vocab for t in body.prompt):
         raise InvalidRequest(f"prompt holds token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
@@ -176,9 +99,9 @@ async def open_session(body: OpenBody, request: Request, response: Response) -> 
                              f"{engine.max_model_len}.", param="prompt", code="context_length_exceeded")
     if len(store.held) >= store.max_open:
         raise RateLimited(f"{store.max_open} sessions are open on this worker; close some or retry.", retry_after=1.0)
-    CACHE_SALT.set(body.cache_salt)  # within the key's scope, which the gateway set (server/tenancy.py)
+    CACHE_SALT.set(body.cache_salt)  # within the key's scope, which the gateway set (server/gateway/tenancy.py)
     session = engine.open_session()
-    held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt), owner_of(request))
+    held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt), ctx.owner)
     store.held[held.id] = held
     try:
         async with held.lock:
@@ -192,29 +115,30 @@ async def open_session(body: OpenBody, request: Request, response: Response) -> 
 
 
 @router.post("/{sid}/step")
-async def step_session(sid: str, body: StepBody, request: Request, response: Response) -> dict[str, Any]:
-    held, logits = await _step(request, sid, [body.token], 0, "token")
+async def step_session(sid: str, body: StepBody, response: Response, ctx: Ctx) -> dict[str, Any]:
+    held, logits = await _step(ctx, sid, [body.token], 0, "token")
     response.headers["X-Chorus-Session-API"] = API_VERSION
     assert logits is not None
     return _body(held, body.top_k, logits[-1])
 
 
 @router_v2.post("/{sid}/step")
-async def step_session_v2(sid: str, body: StepBodyV2, request: Request, response: Response) -> dict[str, Any]:
+async def step_session_v2(sid: str, body: StepBodyV2, response: Response,
+                          ctx: Ctx) -> dict[str, Any]:
     if not body.tokens and not body.rollback:
         raise InvalidRequest("a step needs tokens, a rollback, or both.", param="tokens")
-    held, logits = await _step(request, sid, body.tokens, body.rollback, "tokens")
+    held, logits = await _step(ctx, sid, body.tokens, body.rollback, "tokens")
     response.headers["X-Chorus-Session-API"] = API_VERSION
     nexts = [] if logits is None else [next_token(row, body.top_k) for row in logits]
     return {"id": held.id, "object": "chorus.session", "model": held.model, "length": held.length, "next": nexts}
 
 
-async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
+async def _step(ctx: Context, sid: str, tokens: list[int], rollback: int,
                 param: str) -> tuple[Held, torch.Tensor | None]:
     """Roll back, then feed ``tokens`` in one forward: the session and the logits after each token."""
-    store = _store(request)
-    held = store.get(sid, owner_of(request))
-    admit(request, held.model)
+    store = ctx.services.sessions
+    held = store.get(sid, ctx.owner)
+    admit(ctx, held.model)
     if held.lock.locked():
         raise SessionBusy(f"session {sid} is still running its previous step.", param="id")
     bad = [t for t in tokens if t < 0 or t >= held.vocab_size]
@@ -239,10 +163,10 @@ async def _step(request: Request, sid: str, tokens: list[int], rollback: int,
 
 
 @router.delete("/{sid}")
-async def close_session(sid: str, request: Request, response: Response) -> dict[str, Any]:
-    store = _store(request)
-    held = store.get(sid, owner_of(request))
-    admit(request, held.model)
+async def close_session(sid: str, response: Response, ctx: Ctx) -> dict[str, Any]:
+    store = ctx.services.sessions
+    held = store.get(sid, ctx.owner)
+    admit(ctx, held.model)
     store.close(sid)
     response.headers["X-Chorus-Session-API"] = API_VERSION
     return {"id": sid, "object": "chorus.session", "deleted": True}

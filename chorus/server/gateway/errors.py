@@ -79,13 +79,20 @@ def error_response(exc: BaseException) -> JSONResponse:
     return envelope(500, "The server had an error while processing your request.", "server_error")
 
 
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
 def for_path(path: str, response: JSONResponse) -> JSONResponse:
     """Anthropic's envelope on the Messages API (``{"type": "error", "error": {"type", "message"}}``, the field
     named in the message), OpenAI's everywhere else."""
     if not path.startswith("/v1/messages"):
         return response
-    from chorus.server.messages_shapes import error_type
-
     err = json.loads(bytes(response.body))["error"]
     message = err["message"] if not err.get("param") or err["param"] in err["message"] else \
         f"{err['param']}: {err['message']}"

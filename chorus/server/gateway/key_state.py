@@ -1,7 +1,7 @@
 """Per-key state: request and token windows, requests in flight, budgets and spend (``server.state``).
 
 One interface, two stores. `MemoryState` keeps it in this process (the embedded default; with k replicas a key
-gets k times its limits). `RedisState` (server/redis_state.py) keeps it in Redis, shared by every replica,
+gets k times its limits). `RedisState` (server/gateway/redis_state.py) keeps it in Redis, shared by every replica,
 each admission and each charge one atomic Lua script. The gateway middleware calls ``admit`` before any engine
 work (a key over a window, its concurrency or its budget gets a 429 naming it, with ``Retry-After``),
 ``release`` when the request ends, and ``charge`` with every model's usage once a response is known (an
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from chorus.config import ApiKey, Price
 from chorus.errors import RateLimited
-from chorus.server.auth import WINDOW_S, Principal
+from chorus.server.gateway.auth import WINDOW_S, Principal
 
 
 @dataclass(frozen=True)

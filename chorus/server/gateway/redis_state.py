@@ -29,8 +29,8 @@ from prometheus_client import Counter, Gauge
 
 from chorus.config import ApiKey, StateSection
 from chorus.errors import RateLimited, StoreUnavailable
-from chorus.server.auth import WINDOW_S, Principal
-from chorus.server.key_state import Charge, MemoryState, budget_amount, build_report, over_budget
+from chorus.server.gateway.auth import WINDOW_S, Principal
+from chorus.server.gateway.key_state import Charge, MemoryState, budget_amount, build_report, over_budget
 
 log = logging.getLogger("chorus.state")
 STORE_UP = Gauge("chorus_state_store_up", "1 while the shared state store (Redis) answers")

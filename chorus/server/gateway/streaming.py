@@ -9,26 +9,22 @@ from typing import Any, TypeVar
 
 from pydantic_core import to_json
 from sse_starlette import EventSourceResponse
-from starlette.requests import Request
 
 from chorus.errors import ClientClosedRequest, DeadlineExceeded, EngineFailed, GatewayError
+from chorus.server.gateway.context import Context
 
 log = logging.getLogger("chorus.stream")
 T = TypeVar("T")
 
 
-def deadline_of(request: Request | None) -> float | None:
-    return getattr(request.state, "deadline", None) if request is not None else None
-
-
-def deadline_error(request: Request | None) -> DeadlineExceeded:
-    timeout = getattr(request.state, "timeout", None) if request is not None else None
+def deadline_error(ctx: Context | None) -> DeadlineExceeded:
+    timeout = ctx.timeout if ctx is not None else None
     return DeadlineExceeded(f"The request ran past its deadline of {timeout:g} s and was stopped; its work is "
                             "cancelled. Raise X-Chorus-Timeout (up to the server's request_timeout_s) or ask "
                             "for fewer tokens." if timeout else "The request ran past its deadline.")
 
 
-def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request | None = None,
+def sse_response(events: AsyncGenerator[dict[str, Any], None], ctx: Context | None = None,
                  named: bool = False) -> EventSourceResponse:
     """Stream dicts as ``data: {json}`` events, then ``data: [DONE]``; ``named``: each event also carries
     ``event: <its type>`` and no ``[DONE]`` follows (the Responses API's stream).
@@ -38,7 +34,7 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
     the producer's ``finally`` blocks free the engine sessions.
     """
 
-    deadline = deadline_of(request)
+    deadline = ctx.deadline if ctx is not None else None
 
     async def body() -> AsyncGenerator[bytes, None]:
         timer = _Deadline(deadline)
@@ -49,7 +45,7 @@ def sse_response(events: AsyncGenerator[dict[str, Any], None], request: Request 
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    raise deadline_error(request) from None
+                    raise deadline_error(ctx) from None
                 yield _event(to_json(event), event["type"] if named else None)
         except GatewayError as exc:
             yield _event(to_json({"error": exc.to_dict()}))
@@ -107,11 +103,12 @@ def _event(data: bytes, name: str | None = None) -> bytes:
     return (b"event: " + name.encode() + b"\ndata: " if name else b"data: ") + data + b"\n\n"
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+async def until_disconnect(ctx: Context, work: Awaitable[T]) -> T:
     """Run ``work``; if the client goes away first, or the request's deadline passes, cancel it (its
     sessions close in its finally)."""
     task = asyncio.ensure_future(work)
-    deadline = deadline_of(request)
+    deadline, request = ctx.deadline, ctx.http
+    assert request is not None, "a route's context is bound to its HTTP request (gateway/context.py: context)"
 
     async def watch() -> None:
         while True:
@@ -134,5 +131,5 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.gather(task, return_exceptions=True)
         if disconnected or deadline is None:
             raise ClientClosedRequest("client disconnected; generation cancelled")
-        raise deadline_error(request)
+        raise deadline_error(ctx)
     return task.result()

@@ -24,7 +24,7 @@ import hmac
 from collections.abc import Iterable
 from typing import Literal
 
-from chorus.server.auth import Principal
+from chorus.server.gateway.auth import Principal
 
 Share = Literal["key", "team", "all"]
 

@@ -1,34 +1,26 @@
-"""OpenAI request and response models; requests convert themselves into `GenerationRequest`s."""
+"""OpenAI's chat and completion request bodies; each converts itself into `GenerationRequest`s (how the
+reply is rendered is render.py's)."""
 
 from __future__ import annotations
 
-import secrets
-import time
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from chorus.config import Limits
 from chorus.engines.core.base import (
-    Choice,
     Constraint,
-    Delta,
     Engine,
-    Generation,
     GenerationRequest,
     SamplingParams,
-    TokenLogprob,
     Tools,
 )
 from chorus.engines.core.generation import encode_prompt
 from chorus.engines.families.options import FamilyFields
 from chorus.errors import InvalidRequest
-from chorus.server import fusion, structured, unsupported
-from chorus.server import tools as tool_fields
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
+from chorus.server.wire import fusion, structured, unsupported
+from chorus.server.wire import tools as tool_fields
 
 
 class StreamOptions(BaseModel):
@@ -73,9 +65,9 @@ class CompletionFields(FamilyFields):
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
                         "(MoE expert load, MoDr branch and steps per token, ReasonFormer skills and depth)")
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], as OpenAI
-    #: structured outputs (server/structured.py): ``response_format`` / ``structured_outputs``, parsed
+    #: structured outputs (server/wire/structured.py): ``response_format`` / ``structured_outputs``, parsed
     _constraint: Constraint | None = PrivateAttr(default=None)
-    #: function calling (server/tools.py; chat only)
+    #: function calling (server/wire/tools.py; chat only)
     _tools: Tools | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
@@ -134,9 +126,30 @@ class CompletionFields(FamilyFields):
             raise ValueError("at most 4 stop sequences are allowed")
         return v
 
+    #: the GenAI semantic conventions' operation name (the request's span)
+    operation: ClassVar[str] = "chat"
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def completion_limit(self) -> int | None:
+        """The most tokens the reply may have (chat: ``max_completion_tokens`` first)."""
+        return self.max_tokens
+
+    def check_limits(self, limits: Limits) -> None:
+        """The server's request limits (``server.limits``): messages, ``n``, ``max_tokens``."""
+        messages = getattr(self, "messages", None)
+        if messages is not None and len(messages) > limits.max_messages:
+            raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.",
+                                 param="messages")
+        if self.n > limits.max_n:
+            raise InvalidRequest(f"'n' must be at most {limits.max_n} on this server.", param="n")
+        max_tokens = self.completion_limit
+        if limits.max_tokens is not None and max_tokens is not None and max_tokens > limits.max_tokens:
+            raise InvalidRequest(f"'max_tokens' must be at most {limits.max_tokens} on this server.",
+                                 param="max_tokens")
 
     def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                 defaults: dict[str, float]) -> SamplingParams:
@@ -167,8 +180,8 @@ class ChatCompletionRequest(CompletionFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    response_format: Any = None  # text, json_object, json_schema (server/structured.py)
-    tools: list[Any] | None = None  # functions (server/tools.py)
+    response_format: Any = None  # text, json_object, json_schema (server/wire/structured.py)
+    tools: list[Any] | None = None  # functions (server/wire/tools.py)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = Field(
@@ -232,6 +245,7 @@ class ChatCompletionRequest(CompletionFields):
 
 
 class CompletionRequest(CompletionFields):
+    operation: ClassVar[str] = "text_completion"
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -262,10 +276,6 @@ class CompletionRequest(CompletionFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    @property
-    def completion_limit(self) -> int | None:
-        return self.max_tokens
-
     def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, defaults or {})
 
@@ -275,123 +285,3 @@ class CompletionRequest(CompletionFields):
                               options=self.family_options, trace={} if self.trace else None,
                               **({"text": p} if isinstance(p, str) else {"ids": p}))
                 for i, p in enumerate(self.prompts())]
-
-
-# ---- responses ----
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens`` (chat and completions): prompt tokens the engine's prefix cache
-    served, as ``prompt_tokens_details.cached_tokens``."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
-
-
-def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    return {"content": [
-        {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
-         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top]}
-        for lp in lps], "refusal": None}
-
-
-def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    offsets, pos = [], offset
-    for lp in lps:
-        offsets.append(pos)
-        pos += len(lp.token)
-    return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps], "text_offset": offsets}
-
-
-def prompt_logprobs(tokens: list[str], lps: list[TokenLogprob | None]) -> dict[str, Any]:
-    """The echoed prompt's logprobs as vLLM returns them: every prompt token, ``null`` for the first."""
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob if lp is not None else None for lp in lps],
-            "top_logprobs": [{t.token: t.logprob for t in lp.top} if lp is not None else None for lp in lps],
-            "text_offset": offsets}
-
-
-def joined_logprobs(prompt: dict[str, Any] | None, completion: dict[str, Any] | None) -> dict[str, Any] | None:
-    """An echoed prompt's logprobs followed by the completion's (offsets already continue the echo)."""
-    if prompt is None or completion is None:
-        return completion if prompt is None else prompt
-    return {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
-class ResponseHead:
-    """id / created / model / system_fingerprint, the same on every chunk of one response."""
-
-    def __init__(self, prefix: str, model: str, fingerprint: str) -> None:
-        self.id = new_id(prefix)
-        self.created = int(time.time())
-        self.model = model
-        self.fingerprint = fingerprint
-
-    def base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
-
-
-def chat_response(head: ResponseHead, gen: Generation, offered: Tools | None = None) -> dict[str, Any]:
-    """``offered``: the functions the model could call; a choice that calls them gets ``tool_calls``."""
-    def choice(c: Choice) -> dict[str, Any]:
-        message, finish = tool_fields.message(c.text, c.finish_reason, offered)
-        out = {"index": c.index, "message": message, "logprobs": chat_logprobs(c.logprobs), "finish_reason": finish}
-        return {**out, "stop_reason": c.stop} if c.stop is not None and finish == "stop" else out
-
-    return {**head.base("chat.completion"), "choices": [choice(c) for c in gen.choices],
-            "usage": usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)}
-
-
-def chat_chunk(head: ResponseHead, delta: Delta | None, *, index: int = 0,
-               logprobs: bool = False) -> dict[str, Any]:
-    if delta is None:  # the opening chunk that carries the role
-        body: dict[str, Any] = {"role": "assistant", "content": ""}
-        ch = {"index": index, "delta": body, "logprobs": None, "finish_reason": None}
-    else:
-        body = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-        ch = {"index": delta.index, "delta": body,
-              "logprobs": chat_logprobs(delta.logprobs) if logprobs else None,
-              "finish_reason": delta.finish_reason}
-        if delta.stop is not None:
-            ch["stop_reason"] = delta.stop  # vLLM's field: the stop string that ended the choice
-    return {**head.base("chat.completion.chunk"), "choices": [ch]}
-
-
-def chat_tool_chunks(head: ResponseHead, deltas: list[Delta], offered: Tools, logprobs: bool) -> list[dict[str, Any]]:
-    """One choice's chunks when functions were offered: its whole text is parsed first, then sent as
-    ``tool_calls`` (each call whole in one delta, as OpenAI's last argument chunk completes it) or as content."""
-    index, finish = deltas[-1].index, deltas[-1].finish_reason or "stop"
-    text = "".join(d.text for d in deltas)
-    message, finish = tool_fields.message(text, finish, offered)
-    lps = chat_logprobs([lp for d in deltas for lp in d.logprobs]) if logprobs else None
-    delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
-    if "tool_calls" in message:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
-    base = head.base("chat.completion.chunk")
-    last: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
-    if deltas[-1].stop is not None and finish == "stop":
-        last["stop_reason"] = deltas[-1].stop
-    return [{**base, "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": None}]},
-            {**base, "choices": [last]}]
-
-
-def completion_response(head: ResponseHead, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {**head.base("text_completion"), "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def completion_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
-) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

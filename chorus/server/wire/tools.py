@@ -1,6 +1,6 @@
 """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into the engine-neutral `Tools`
-(engines/core/tool_calls.py renders, constrains and parses them), every malformed field a 400 naming it; and the
-answer's calls into ``message.tool_calls``."""
+(engines/core/tool_calls.py renders, constrains and parses them), every malformed field a 400 naming it. (The
+answer's calls are rendered by render.py's `assistant_message`.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 import jsonschema
 
-from chorus.engines.core import tool_calls
 from chorus.engines.core.base import Constraint, Tools
 from chorus.errors import InvalidRequest
 
@@ -77,14 +76,3 @@ def _choice(choice: Any, names: set[str]) -> str | None:
         return str(name)
     raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                          "{'name': ...}}.", param="tool_choice")
-
-
-def message(text: str, finish_reason: str, tools: Tools | None) -> tuple[dict[str, Any], str]:
-    """The assistant message for a choice's text, and its finish reason (``tool_calls`` when it calls)."""
-    if tools is None:
-        return {"role": "assistant", "content": text, "refusal": None}, finish_reason
-    content, calls = tool_calls.parse(text, tools, cut=finish_reason == "length")
-    if not calls:
-        return {"role": "assistant", "content": content, "refusal": None}, finish_reason
-    msg = {"role": "assistant", "content": content, "refusal": None, "tool_calls": [c.as_openai() for c in calls]}
-    return msg, "tool_calls" if finish_reason == "stop" else finish_reason

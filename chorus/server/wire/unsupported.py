@@ -4,7 +4,7 @@ Silently ignoring them would answer a different question than the one asked: an 
 a message loses what the user sent, audio asked for never comes. Fields that change nothing when ignored
 (``user``, ``metadata``, ``store``, ``service_tier``, ...) stay accepted, as on other OpenAI-compatible
 servers. ``reasoning_effort`` is refused too: no model served here reasons, so the field would change
-nothing. (Structured outputs, tools and ``logit_bias`` are served: server/structured.py, server/tools.py.)
+nothing. (Structured outputs, tools and ``logit_bias`` are served: server/wire/structured.py, server/wire/tools.py.)
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from chorus.engines.families.spans import TARGETS, check_spans, check_targets, split_options
 from chorus.errors import BuildError
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 WEIGHTS = "modr.safetensors"
 
 
@@ -43,32 +43,16 @@ class MoDrConfig:
     def from_options(cls, n_layers: int, options: dict[str, Any]) -> MoDrConfig:
         """Settings as a config's ``derive.options`` or the CLI give them: the three layer ranges together,
         or none (then the default split of `retrofit`)."""
-        opts = dict(options)
-        ranges = {k: tuple(opts.pop(k)) for k in ("prelude", "core", "coda") if k in opts}
-        if ranges and len(ranges) != 3:
-            raise BuildError("give all three of prelude, core and coda (or none for the default split)")
-        unknown = sorted(set(opts) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise BuildError(f"unknown MoDr settings {unknown}; known: {', '.join(cls.__dataclass_fields__)}")
+        ranges, opts = split_options(options, ("prelude", "core", "coda"), "MoDr", cls.__dataclass_fields__)
         return cls(**ranges, **opts) if ranges else cls.retrofit(n_layers, **opts)  # type: ignore[arg-type]
 
     def check(self, n_layers: int) -> None:
-        ranges = {"prelude": self.prelude, "core": self.core, "coda": self.coda}
-        for name, (a, b) in ranges.items():
-            if not (0 <= a < b <= n_layers):
-                raise BuildError(
-                    f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers"
-                )
-        if not (self.prelude[1] <= self.core[0] and self.core[1] <= self.coda[0]):
-            raise BuildError(f"layer ranges must be in order prelude < core < coda without overlap "
-                             f"(got {list(self.prelude)}, {list(self.core)}, {list(self.coda)})")
+        check_spans({"prelude": self.prelude, "core": self.core, "coda": self.coda}, n_layers)
         if self.branches < 1:
             raise BuildError(f"branches must be >= 1 (got {self.branches})")
         if self.rank < 1:
             raise BuildError(f"LoRA rank must be >= 1 (got {self.rank})")
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise BuildError(f"LoRA targets must be among {', '.join(TARGETS)} (got {list(self.targets)})")
+        check_targets(self.targets)
         if not 1 <= self.recurrence <= self.max_recurrence:
             raise BuildError(
                 f"recurrence must be between 1 and max_recurrence={self.max_recurrence} (got {self.recurrence})"

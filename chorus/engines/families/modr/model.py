@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from chorus.engines.families.balance import BiasBalancer, counts_of
-from chorus.engines.families.checkpoint import frozen_spans
+from chorus.engines.families.checkpoint import OverBaseModel, frozen_spans
 from chorus.engines.families.modr.config import MoDrConfig
 from chorus.engines.runtime.kv_cache import StepSlots, run_layers
-from chorus.errors import BuildError
 
 
 class Route:
@@ -140,20 +139,16 @@ class MoDrOutput:
     logits: torch.Tensor
 
 
-class MoDrModel(nn.Module):
+class MoDrModel(OverBaseModel):
     """Prelude / recurrent core with routed LoRA branches / coda over a Llama-architecture base."""
 
-    base: Any  # the transformers model the layers come from (its embeddings, norm, head, rotary)
-    config: Any  # the base's transformers config
+    family = "MoDr"
+
     router_bias: torch.Tensor  # (N,) buffer: balancing bias, selection only
 
     def __init__(self, base: Any, cfg: MoDrConfig) -> None:
-        super().__init__()
-        n = base.config.num_hidden_layers
-        cfg.check(n)
+        super().__init__(base, cfg)
         self.cfg = cfg
-        self.config = base.config
-        self.base = base
         self.prelude, self.core, self.coda = frozen_spans(base, cfg.prelude, cfg.core, cfg.coda)
         h = base.config.hidden_size
         self.adapter = nn.Linear(2 * h, h, bias=False)  # over [s; e]
@@ -196,15 +191,7 @@ class MoDrModel(nn.Module):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for lora in self.loras:
             lora.clear_fused()
-        want = self.state_tensors()
-        missing = sorted(set(want) - set(tensors))
-        if missing:
-            raise BuildError(f"MoDr weights are missing {missing[:4]}")
-        with torch.no_grad():
-            for k, t in want.items():
-                if t.shape != tensors[k].shape:
-                    raise BuildError(f"MoDr weight {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
-                t.copy_(tensors[k])
+        super().load_state_tensors(tensors)
 
     # ---- pieces ----
     def _set_route(self, branch: torch.Tensor | None, gate: torch.Tensor | None) -> None:

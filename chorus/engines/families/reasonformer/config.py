@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from chorus.engines.families.spans import TARGETS, check_spans, check_targets, split_options
 from chorus.errors import BuildError
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 WEIGHTS = "reasonformer.safetensors"
 MODEL_TYPE = "chorus_reasonformer"
 SKILLS = ("math", "science", "commonsense", "general")
@@ -43,13 +43,8 @@ class ReasonFormerConfig:
     @classmethod
     def from_options(cls, n_layers: int, options: dict[str, Any]) -> ReasonFormerConfig:
         """Settings as a config's ``derive.options`` or the CLI give them: the three ranges together, or none."""
-        opts = dict(options)
-        ranges = {k: tuple(opts.pop(k)) for k in ("representation", "block", "coda") if k in opts}
-        if ranges and len(ranges) != 3:
-            raise BuildError("give all three of representation, block and coda (or none for the default split)")
-        unknown = sorted(set(opts) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise BuildError(f"unknown ReasonFormer settings {unknown}; known: {', '.join(cls.__dataclass_fields__)}")
+        ranges, opts = split_options(options, ("representation", "block", "coda"), "ReasonFormer",
+                                     cls.__dataclass_fields__)
         for k in ("skills", "targets"):
             if k in opts:
                 opts[k] = tuple(opts[k])
@@ -65,15 +60,7 @@ class ReasonFormerConfig:
         return self.n_skills if self.top_k is None else self.top_k
 
     def check(self, n_layers: int) -> None:
-        ranges = {"representation": self.representation, "block": self.block, "coda": self.coda}
-        for name, (a, b) in ranges.items():
-            if not (0 <= a < b <= n_layers):
-                raise BuildError(
-                    f"{name} range [{a}, {b}) is not a non-empty range inside the base's {n_layers} layers"
-                )
-        if not (self.representation[1] <= self.block[0] and self.block[1] <= self.coda[0]):
-            raise BuildError(f"layer ranges must be in order representation < block < coda without overlap (got "
-                             f"{list(self.representation)}, {list(self.block)}, {list(self.coda)})")
+        check_spans({"representation": self.representation, "block": self.block, "coda": self.coda}, n_layers)
         if not self.skills or len(set(self.skills)) != len(self.skills) or not all(
                 isinstance(s, str) and s for s in self.skills):
             raise BuildError(f"skills must be distinct non-empty names (got {list(self.skills)})")
@@ -81,9 +68,7 @@ class ReasonFormerConfig:
             raise BuildError(f"kind must be shared or private (got {self.kind!r})")
         if self.rank < 1 or (self.kind == "shared" and self.adapter_rank < 1):
             raise BuildError(f"LoRA ranks must be >= 1 (got rank {self.rank}, adapter_rank {self.adapter_rank})")
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise BuildError(f"LoRA targets must be among {', '.join(TARGETS)} (got {list(self.targets)})")
+        check_targets(self.targets)
         if self.top_k is not None and not 1 <= self.top_k <= self.n_skills:
             raise BuildError(
                 f"top_k must be between 1 and the {self.n_skills} skills (or null for all; got {self.top_k})"

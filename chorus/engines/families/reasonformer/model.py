@@ -10,10 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from chorus.engines.families.checkpoint import frozen_spans
+from chorus.engines.families.checkpoint import OverBaseModel, frozen_spans
 from chorus.engines.families.reasonformer.config import ReasonFormerConfig
 from chorus.engines.runtime.kv_cache import StepSlots, run_layers
-from chorus.errors import BuildError
 
 
 class Pick:
@@ -129,19 +128,14 @@ class ReasonOutput:
     gate_probs: torch.Tensor | None = None  # (B, steps): each step's gate (1 at step 1), training's depth cost
 
 
-class ReasonFormerModel(nn.Module):
+class ReasonFormerModel(OverBaseModel):
     """Representation / skill-routed reasoning steps with a stop gate / coda over a Llama-architecture base."""
 
-    base: Any
-    config: Any
+    family = "ReasonFormer"
 
     def __init__(self, base: Any, cfg: ReasonFormerConfig) -> None:
-        super().__init__()
-        n = base.config.num_hidden_layers
-        cfg.check(n)
+        super().__init__(base, cfg)
         self.cfg = cfg
-        self.config = base.config
-        self.base = base
         self.representation, self.block, self.coda = frozen_spans(base, cfg.representation, cfg.block, cfg.coda)
         h = base.config.hidden_size
         s, steps = cfg.n_skills, cfg.max_steps
@@ -175,17 +169,6 @@ class ReasonFormerModel(nn.Module):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.trainable().items()}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        want = self.state_tensors()
-        missing = sorted(set(want) - set(tensors))
-        if missing:
-            raise BuildError(f"ReasonFormer weights are missing {missing[:4]}")
-        with torch.no_grad():
-            for k, t in want.items():
-                if t.shape != tensors[k].shape:
-                    raise BuildError(f"ReasonFormer weight {k} has shape {tuple(tensors[k].shape)}, "
-                                     f"expected {tuple(t.shape)}")
-                t.copy_(tensors[k])
 
     # ---- pieces ----
     def _set_pick(self, skill: torch.Tensor | int | None, step: int) -> None:

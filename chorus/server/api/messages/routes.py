@@ -1,27 +1,30 @@
-"""``/v1/messages``: Anthropic's Messages API, served through the chat route (server/messages_shapes.py converts
-both ways), on single models and every ensemble; ``/v1/messages/count_tokens`` counts a request's prompt with the
-model's own chat template. Errors come in Anthropic's envelope (server/errors.py), keys as ``x-api-key`` or
-``Authorization: Bearer`` (server/gateway.py); ``anthropic-version`` is accepted and not checked."""
+"""``/v1/messages``: Anthropic's Messages API, served through the chat route (wire.py reads the request as a chat
+request, render.py gives the chat reply back as Anthropic's), on single models and every ensemble; ``/v1/messages/count_tokens`` counts a request's prompt with the
+model's own chat template. Errors come in Anthropic's envelope (gateway/errors.py), keys as ``x-api-key`` or
+``Authorization: Bearer`` (gateway/admission.py); ``anthropic-version`` is accepted and not checked."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from chorus.errors import InvalidRequest
-from chorus.server import routes
-from chorus.server.messages_shapes import MessageEvents, MessagesRequest, MessagesState
-from chorus.server.replies import json_response
-from chorus.server.resolve import ensemble_for, ensembles, model_for
+from chorus.server import plan
+from chorus.server.api.messages.render import MessageEvents, MessagesState
+from chorus.server.api.messages.wire import MessagesRequest
+from chorus.server.api.openai import routes
+from chorus.server.gateway.context import Ctx
+from chorus.server.reply import json_response
+from chorus.server.resolve import resolve
 
 router = APIRouter()
 
 
 class MessagesShape:
-    """How the chat route's reply is given back for one Messages request (replies.py reads it)."""
+    """How the chat route's reply is given back for one Messages request (server/reply.py reads it)."""
 
     named_events = True  #: SSE events carry ``event: <type>`` and no ``[DONE]``, as Anthropic's
 
@@ -36,23 +39,17 @@ class MessagesShape:
 
 
 @router.post("/v1/messages", response_model=None)
-async def create_message(req: MessagesRequest, request: Request) -> Response:
-    return await routes.chat(request, req.to_chat(), MessagesShape(MessagesState(req)))
+async def create_message(req: MessagesRequest, ctx: Ctx) -> Response:
+    return await routes.chat(ctx, req.to_chat(), MessagesShape(MessagesState(req)))
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
-async def count_tokens(req: MessagesRequest, request: Request) -> Response:
+async def count_tokens(req: MessagesRequest, ctx: Ctx) -> Response:
     """The prompt's tokens as the model would read it (its chat template, and the tools as it is offered them); an
     ensemble's are its first member's."""
     if req.ensemble is not None:  # counted for a model or a named ensemble; never silently ignored
         raise InvalidRequest("count_tokens counts the prompt of a model or a named ensemble; an inline 'ensemble' "
                              "is not used here: name one of its members as the model.", param="ensemble")
     chat = req.to_chat(need_max_tokens=False)
-    name = req.model
-    named = ensembles(request).get(name)
-    if named is not None:
-        ensemble_for(request, name, named, chat)
-        engine = named.strategy.members[0].engine
-    else:
-        engine = model_for(request, name, body=chat, generates=True)
+    engine = plan.counting_engine(resolve(ctx, chat, use="count"))
     return json_response({"input_tokens": len(chat.to_generation_request(engine).prompt_ids)})

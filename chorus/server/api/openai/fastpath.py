@@ -3,7 +3,7 @@
 `FastPath` is a pure ASGI middleware in front of FastAPI's router: ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` are read, validated by pydantic-core straight from the bytes
 (``model_validate_json``), and handed to the same route functions as FastAPI would call; errors
-become the same OpenAI envelopes (server/errors.py). Everything else (and the OpenAPI schema, which
+become the same OpenAI envelopes (server/gateway/errors.py). Everything else (and the OpenAPI schema, which
 still documents these two routes) goes through FastAPI unchanged.
 """
 
@@ -16,18 +16,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from chorus.server import protocol
-from chorus.server.errors import error_response
-from chorus.server.replies import json_response
-from chorus.server.routes import chat_completions, completions
+from chorus.server.api.openai.routes import chat_completions, completions
+from chorus.server.gateway.context import context
+from chorus.server.gateway.errors import error_response
+from chorus.server.reply import json_response
+from chorus.server.wire import request as wire
 
 
 class FastPath:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.routes: dict[str, tuple[type[protocol.CompletionFields], Callable[..., Awaitable[Any]]]] = {
-            "/v1/chat/completions": (protocol.ChatCompletionRequest, chat_completions),
-            "/v1/completions": (protocol.CompletionRequest, completions),
+        self.routes: dict[str, tuple[type[wire.CompletionFields], Callable[..., Awaitable[Any]]]] = {
+            "/v1/chat/completions": (wire.ChatCompletionRequest, chat_completions),
+            "/v1/completions": (wire.CompletionRequest, completions),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,7 +42,7 @@ class FastPath:
         response: Response
         try:
             req = model.model_validate_json(await _read_body(receive))
-            out = await handler(req, Request(scope, receive))
+            out = await handler(req, context(Request(scope, receive)))
             response = out if isinstance(out, Response) else json_response(out)
         except Exception as exc:  # validation, GatewayError, the body-size limit on a chunked body, bugs
             response = error_response(exc)

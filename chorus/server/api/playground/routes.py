@@ -1,5 +1,5 @@
 """``/playground``: a page that compares models and ensembles side by side and draws how an ensemble
-answered from its trace. Plain static files inside the package (``chorus/server/playground/``: HTML, CSS,
+answered from its trace. Plain static files inside the package (``chorus/server/api/playground/``: HTML, CSS,
 one ES module; no build step, no CDN, no network beyond this server), calling chorus's own API from the
 browser with the key the user types. Off with ``server.playground: false``.
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import RedirectResponse, Response
 
 from chorus.errors import ModelNotFound
+from chorus.server.gateway.context import Ctx
 
 router = APIRouter()
 
@@ -24,7 +25,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 
 
 def asset(name: str) -> bytes:
-    return resources.files("chorus.server").joinpath("playground", name).read_bytes()
+    return resources.files("chorus.server.api.playground").joinpath(name).read_bytes()
 
 
 @router.get("/playground", include_in_schema=False)
@@ -33,9 +34,9 @@ async def playground_root() -> Response:
 
 
 @router.get("/playground/{name:path}", include_in_schema=False)
-async def playground_file(name: str, request: Request) -> Response:
+async def playground_file(name: str, ctx: Ctx) -> Response:
     name = name or "index.html"
-    if not request.app.state.config.server.playground or name not in FILES:
+    if not ctx.config.server.playground or name not in FILES:
         raise ModelNotFound(f"No such page: /playground/{name}.", code="not_found")
     return Response(asset(name), media_type=FILES[name],
                     headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache",

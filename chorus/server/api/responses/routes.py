@@ -1,5 +1,5 @@
-"""``/v1/responses``: OpenAI's Responses API, served through the chat route (server/responses_shapes.py converts
-both ways), on single models and every ensemble.
+"""``/v1/responses``: OpenAI's Responses API, served through the chat route (wire.py reads the request as a chat
+request, render.py gives the chat reply back as a response), on single models and every ensemble.
 
 Stored responses (``store``, true by default as on OpenAI) are kept in memory in this process, the most recent
 ``server.responses.max_stored`` of them (older ones are dropped first), for ``GET`` / ``DELETE
@@ -9,55 +9,24 @@ a restart and are not shared between replicas.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-from chorus.errors import ResponseNotFound
-from chorus.server import routes
-from chorus.server.replies import json_response
-from chorus.server.resolve import owner_of
-from chorus.server.responses_shapes import ResponseEvents, ResponsesRequest, ResponseState
+from chorus.server.api.openai import routes
+from chorus.server.api.responses.render import ResponseEvents, ResponseState
+from chorus.server.api.responses.wire import ResponsesRequest
+from chorus.server.gateway.context import Ctx
+from chorus.server.gateway.stored_responses import ResponseStore, Stored
+from chorus.server.reply import json_response
 
 router = APIRouter()
 
 
-@dataclass
-class Stored:
-    owner: str | None
-    body: dict[str, Any]
-    conversation: list[dict[str, Any]]
-
-
-class ResponseStore:
-    def __init__(self, max_stored: int) -> None:
-        self.max_stored = max_stored
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-
-    def put(self, rid: str, stored: Stored) -> None:
-        self._items[rid] = stored
-        while len(self._items) > self.max_stored:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str, owner: str | None, param: str | None = None) -> Stored:
-        found = self._items.get(rid)
-        if found is None or found.owner != owner:
-            raise ResponseNotFound(f"No stored response with id '{rid}' (responses are kept in this server's "
-                                   f"memory, the latest {self.max_stored}, and only for the key that made them).",
-                                   param=param)
-        return found
-
-    def delete(self, rid: str, owner: str | None) -> None:
-        self.get(rid, owner)
-        del self._items[rid]
-
-
 class ResponseShape:
-    """How the chat route's reply is given back for one Responses request (replies.py reads it)."""
+    """How the chat route's reply is given back for one Responses request (server/reply.py reads it)."""
 
     named_events = True  #: SSE events carry ``event: <type>`` and no ``[DONE]``, as OpenAI's
 
@@ -83,21 +52,20 @@ class ResponseShape:
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(req: ResponsesRequest, request: Request) -> Response:
-    store: ResponseStore = request.app.state.responses
-    owner = owner_of(request)
+async def create_response(req: ResponsesRequest, ctx: Ctx) -> Response:
+    store, owner = ctx.services.responses, ctx.owner
     history = store.get(req.previous_response_id, owner, "previous_response_id").conversation \
         if req.previous_response_id else []
     chat = req.to_chat(history)
-    return await routes.chat(request, chat, ResponseShape(ResponseState(req), store, owner, chat.message_dicts()))
+    return await routes.chat(ctx, chat, ResponseShape(ResponseState(req), store, owner, chat.message_dicts()))
 
 
 @router.get("/v1/responses/{rid}", response_model=None)
-async def get_response(rid: str, request: Request) -> Response:
-    return json_response(request.app.state.responses.get(rid, owner_of(request)).body)
+async def get_response(rid: str, ctx: Ctx) -> Response:
+    return json_response(ctx.services.responses.get(rid, ctx.owner).body)
 
 
 @router.delete("/v1/responses/{rid}", response_model=None)
-async def delete_response(rid: str, request: Request) -> Response:
-    request.app.state.responses.delete(rid, owner_of(request))
+async def delete_response(rid: str, ctx: Ctx) -> Response:
+    ctx.services.responses.delete(rid, ctx.owner)
     return json_response({"id": rid, "object": "response", "deleted": True})

@@ -1,0 +1,74 @@
+"""What is served: ``GET /v1/models`` (and one model's card), ``/health`` (liveness and load) and ``/metrics``
+(Prometheus)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from chorus.engines.core.base import EMBEDDINGS, TOOLS, ChoiceScorer
+from chorus.server.gateway.context import Context, Ctx
+from chorus.server.resolve import not_found, visible
+
+router = APIRouter()
+
+
+def model_card(ctx: Context, name: str) -> dict[str, Any]:
+    """OpenAI's model object, plus chorus's ``kind`` (language_model, scorer, ensemble) and ``capabilities``."""
+    services = ctx.services
+    card: dict[str, Any] = {"id": name, "object": "model", "created": services.started, "owned_by": "chorus"}
+    if name in services.ensembles:
+        e = services.ensembles[name]
+        card["kind"] = "ensemble"
+        card["ensemble"] = {"strategy": e.spec.strategy, "members": [m.label for m in e.strategy.members],
+                            "description": e.description}
+        return card
+    engine = services.engines[name]
+    card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else (
+        "embedding" if EMBEDDINGS in engine.capabilities else "language_model")
+    card["capabilities"] = sorted(engine.capabilities)
+    spec = next((m for m in services.config.models if m.name == name), None)
+    if spec is not None and spec.description:
+        card["description"] = spec.description
+    if EMBEDDINGS in engine.capabilities:
+        card["embedding"] = getattr(engine, "description", {})
+    if TOOLS in engine.capabilities:  # how functions reach it: its own template, or chorus's JSON fallback
+        card["tool_format"] = "native" if engine.tokenizer.supports_tools else "json"
+    if isinstance(engine, ChoiceScorer):
+        card["scorer"] = engine.description
+    price = services.config.prices.get(name)
+    if price is not None:  # the config's price table (per million tokens): budgets, and the playground's cost
+        card["pricing"] = {"prompt": price.prompt, "completion": price.completion, "per_tokens": 1_000_000}
+    return card
+
+
+@router.get("/health", response_model=None)
+async def health(ctx: Ctx) -> dict[str, Any] | JSONResponse:
+    services = ctx.services
+    body = {"status": "ok", "models": {n: e.stats() for n, e in services.engines.items()},
+            "ensembles": sorted(services.ensembles), "inflight": services.admission.inflight}
+    if services.admission.draining:  # load balancers stop sending; in-flight requests finish
+        return JSONResponse({**body, "status": "draining"}, status_code=503)
+    return body
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus exposition: requests, tokens, engines, ensembles, router decisions, cascade steps."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Ctx) -> dict[str, Any]:
+    """The models and named ensembles this key may use (every one without an allow-list)."""
+    return {"object": "list", "data": [model_card(ctx, n) for n in visible(ctx)]}
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, ctx: Ctx) -> dict[str, Any]:
+    if name not in visible(ctx):  # another key's model is as absent as an unknown one
+        raise not_found(ctx, name)
+    return model_card(ctx, name)

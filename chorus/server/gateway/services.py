@@ -1,0 +1,54 @@
+"""What the gateway holds for every request: the typed state of one app (``app.state.services``).
+
+Everything that outlives a request lives here (and in the modules it names): the config, the engines and named
+ensembles (filled at start-up), the keys and their counters, the feedback book, stored responses, held token
+sessions, and the requests in flight. Routes reach it through their request's `Context` (gateway/context.py),
+never through ``app.state`` attributes of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp
+
+from chorus.config import ChorusConfig
+from chorus.engines.core.base import Engine
+from chorus.ensembles.base import Ensemble
+from chorus.server.gateway.auth import KeyStore
+from chorus.server.gateway.feedback_store import RequestBook
+from chorus.server.gateway.held_sessions import SessionStore
+from chorus.server.gateway.key_state import KeyState
+from chorus.server.gateway.stored_responses import ResponseStore
+
+
+class Admission:
+    """Requests in flight, and draining on shutdown: shared by the front door (gateway/admission.py) and
+    ``chorus serve``'s graceful stop."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.draining = False
+
+
+@dataclass
+class Services:
+    config: ChorusConfig
+    keys: KeyStore
+    key_state: KeyState
+    feedback: RequestBook
+    responses: ResponseStore
+    sessions: SessionStore
+    admin_sha256: str | None = None  #: the admin API's key hash (None: no admin API)
+    admission: Admission = field(default_factory=Admission)
+    started: int = field(default_factory=lambda: int(time.time()))
+    engines: dict[str, Engine] = field(default_factory=dict)  #: loaded at start-up
+    ensembles: dict[str, Ensemble] = field(default_factory=dict)  #: built at start-up
+
+
+def services_of(app: ASGIApp) -> Services:
+    """The app's services (set by the app factory, server/app.py)."""
+    services = app.state.services  # type: ignore[attr-defined]
+    assert isinstance(services, Services)
+    return services
