@@ -15,13 +15,8 @@ from chorus.config import ChorusConfig, Settings
 from chorus.engines.core.base import Engine
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
-from chorus.server.api import admin, choices, embeddings, feedback, sessions
-from chorus.server.api.messages import routes as messages
-from chorus.server.api.openai import models
-from chorus.server.api.openai import routes as openai
+from chorus.lazy import load
 from chorus.server.api.openai.fastpath import FastPath
-from chorus.server.api.playground import routes as playground
-from chorus.server.api.responses import routes as responses
 from chorus.server.gateway import errors, tracing
 from chorus.server.gateway.admission import Gateway
 from chorus.server.gateway.auth import KeyStore, hash_key
@@ -35,9 +30,21 @@ from chorus.server.gateway.stored_responses import ResponseStore
 
 log = logging.getLogger("chorus.server")
 
-#: every API surface's routes (server/api/): a new surface is its own module and one line here
-ROUTERS = (models.router, openai.router, responses.router, messages.router, choices.router, embeddings.router,
-           feedback.router, sessions.router, sessions.router_v2, admin.router, playground.router)
+#: every API surface's routes (server/api/), as "module:router" (the registries' convention): a new surface is its
+#: own module and one line here
+ROUTERS = (
+    "chorus.server.api.openai.models:router",  # /v1/models, /health, /metrics
+    "chorus.server.api.openai.routes:router",  # chat and completions
+    "chorus.server.api.responses.routes:router",
+    "chorus.server.api.messages.routes:router",
+    "chorus.server.api.choices:router",
+    "chorus.server.api.embeddings:router",
+    "chorus.server.api.feedback:router",
+    "chorus.server.api.sessions:router",
+    "chorus.server.api.sessions:router_v2",
+    "chorus.server.api.admin:router",
+    "chorus.server.api.playground.routes:router",
+)
 
 def key_state(config: ChorusConfig) -> KeyState:
     """Where per-key windows, budgets and spend are counted (``server.state.store``)."""
@@ -110,7 +117,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     app.state.services = services  # the one thing the app holds (gateway/services.py)
     errors.install(app)
     for router in ROUTERS:
-        app.include_router(router)
+        app.include_router(load(router))
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
     app.add_middleware(Gateway, services=services)  # outermost: every request's context, key and limits
