@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from pydantic import ValidationError
 
 from chorus.config import Limits
-from chorus.engines.core.base import CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
+from chorus.engines.core.base import AFFINITY, CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
 from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.ensembles.base import Ensemble
 from chorus.ensembles.spec import EnsembleSpec
@@ -89,6 +89,7 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
     if use == "generate":
         body.check_limits(ctx.config.server.limits)
     CACHE_SALT.set(getattr(body, "cache_salt", None))
+    AFFINITY.set(getattr(body, "user", None))  # a conversation key, for a remote model's session routing
     ensemble = find_ensemble(ctx, body)
     if ensemble is not None:
         if use == "embed":

@@ -298,6 +298,9 @@ CACHE_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_
 #: the tenant the request runs for, as the prefix caches see it (an opaque token, server/gateway/tenancy.py): set by the
 #: gateway from the caller's key before any route runs, so no client field can widen it; None: unscoped
 CACHE_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_cache_scope", default=None)
+#: a conversation key (the request's ``user``): a remote model's ``session`` routing keeps one key on one replica;
+#: set by the route for everything the request runs
+AFFINITY: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_affinity", default=None)
 
 
 def prefix_salt() -> str | None:
@@ -313,6 +316,16 @@ def prefix_salt() -> str | None:
 def request_scope() -> object | None:
     """The current request (`REQUEST_SCOPE`), or outside one the current task."""
     return REQUEST_SCOPE.get() or asyncio.current_task()
+
+
+@dataclass
+class ServerLoad:
+    """What an endpoint picker reads of a model server (the inference gateway's model-server protocol): an engine
+    with a batch of its own reports it (``server_load()``), a worker's ``/metrics`` exposes it."""
+
+    waiting: int  #: requests queued, not yet in the batch
+    running: int  #: sequences in the batch
+    kv_usage: float  #: share of the batch's KV capacity in use, 0..1 (prefix-cache entries, evictable, not counted)
 
 
 async def cancelled(task: asyncio.Task[Any] | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.engines.core.base import Session, TokenLogprob
+from chorus.engines.core.base import ServerLoad, Session, TokenLogprob
 from chorus.engines.core.generation import SessionEngine, token_logprob
 from chorus.engines.core.hf_tokenizer import HFTokenizer
 from chorus.engines.core.spec import ModelSpec, chorus_home
@@ -204,6 +204,11 @@ class LlamaCppEngine(SessionEngine):
     @property
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
+
+    def server_load(self) -> ServerLoad:
+        r = self.runner
+        held = sum(s.length for s in r.decoding)
+        return ServerLoad(len(r.waiting), len(r.decoding), held / (r.max_model_len * r.max_batch_size))
 
     async def drop_prefix_cache(self) -> int:
         """Forget every cached prefix (the admin API); the tokens they held."""

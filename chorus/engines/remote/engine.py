@@ -54,6 +54,7 @@ from chorus.engines.core.vocab import Vocab, vocab_of
 from chorus.engines.remote.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.remote.options import RemoteOptions
 from chorus.engines.remote.replicas import Replica, ReplicaPool, Retryable, error_from
+from chorus.engines.remote.routing import Ask, ask_of
 from chorus.engines.remote.sessions import RemoteSession, WorkerSession, sessions_url
 from chorus.engines.runtime.metric import Metric
 from chorus.errors import (
@@ -79,7 +80,8 @@ class RemoteEngine:
         self.tokenizer = tokenizer
         self.max_model_len = spec.max_model_len or 4096
         self.sampling_defaults = spec.sampling_defaults.model_dump(exclude_none=True)
-        self.pool = ReplicaPool(self.remote.replicas, self.remote.cooldown_s)
+        self.pool = ReplicaPool(self.remote.replicas, self.remote.cooldown_s, self.remote.routing,
+                                self.remote.affinity)
         self.upstream_model = self.remote.model or spec.name
         self._client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
@@ -194,7 +196,7 @@ class RemoteEngine:
         """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
         body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                             "logprobs": self.remote.top_logprobs})
-        data = await self._post("/completions", body)
+        data = await self._post("/completions", body, ask_of(ids))
         top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
         if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
             self._vocab = await asyncio.to_thread(vocab_of, self.tokenizer)
@@ -220,7 +222,7 @@ class RemoteEngine:
                                      "api: completions (echo with logprobs).", param="echo")
         body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                             "echo": True, "logprobs": max(k, 1)})
-        data = await self._post("/completions", body)
+        data = await self._post("/completions", body, ask_of(ids))
         lp = data["choices"][0].get("logprobs") or {}
         values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
         if len(values) < len(ids):
@@ -260,25 +262,26 @@ class RemoteEngine:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         path, body = self._body(request, stream=False)
-        gen = generation_from(await self._post(path, body), len(request.prompt_ids))
+        gen = generation_from(await self._post(path, body, ask_of(request.prompt_ids)), len(request.prompt_ids))
         request.cached_tokens = gen.cached_tokens  # what the worker's prefix cache served (usage relays it)
         return gen
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], ask: Ask | None = None) -> dict[str, Any]:
         """One non-streamed call under the replicas' base URL (``/completions``, ...)."""
-        return (await self.post_any(lambda r: r.url + path, body))[1]
+        return (await self.post_any(lambda r: r.url + path, body, ask))[1]
 
-    async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any]) -> tuple[Replica, dict[str, Any]]:
-        """POST to the least-busy healthy replica, retried on the next one while replicas fail; returns the
-        replica that answered and its JSON."""
+    async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any],
+                       ask: Ask | None = None) -> tuple[Replica, dict[str, Any]]:
+        """POST to the replica the routing policy ranks first for ``ask`` (the prompt's ids, its scope), retried
+        on the next one while replicas fail; returns the replica that answered and its JSON."""
         tried: set[str] = set()
         while True:
-            replica = self.pool.pick(tried)
+            replica = self.pool.pick(tried, ask)
             tried.add(replica.url)
             replica.outstanding += 1
             try:
                 data = await self.call(replica, "POST", url_of(replica), body)
-                replica.served += 1
+                self.pool.answered(replica, ask)
                 return replica, data
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
@@ -287,9 +290,10 @@ class RemoteEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         path, body = self._body(request, stream=True)
+        ask = ask_of(request.prompt_ids)
         tried: set[str] = set()
         while True:
-            replica = self.pool.pick(tried)
+            replica = self.pool.pick(tried, ask)
             tried.add(replica.url)
             replica.outstanding += 1
             sent = False
@@ -304,7 +308,7 @@ class RemoteEngine:
                     async for delta in deltas_from(resp.content, self.name, request):
                         sent = True
                         yield delta
-                replica.served += 1
+                self.pool.answered(replica, ask)
                 return
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")

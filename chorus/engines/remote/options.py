@@ -7,6 +7,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class AffinityOptions(BaseModel):
+    """How ``routing: prefix`` and ``routing: session`` place requests (routing.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_tokens: int = Field(default=32, ge=1, le=4096, description="prompt tokens per hashed block")
+    min_match_tokens: int = Field(default=64, ge=1, description="a cached run shorter than this is no reason to go")
+    index_blocks: int = Field(default=100_000, ge=1, description="block hashes remembered per replica (LRU)")
+    virtual_nodes: int = Field(default=64, ge=1, le=1024, description="points per replica on the hash ring")
+    load_factor: float = Field(default=1.25, ge=1.0, description="a replica over this x the mean load is passed over")
+    spill_after: int = Field(default=2, ge=1, description="a replica with fewer requests in flight is never passed "
+                             "over for load")
+
+
 class RemoteOptions(BaseModel):
     """Replicas of one model on OpenAI-compatible servers, and how to talk to them."""
 
@@ -33,3 +47,7 @@ class RemoteOptions(BaseModel):
     #: send the request's prefix scope (tenant and client salt) as ``cache_salt``: vLLM (>= 0.9) and chorus
     #: workers keep prefixes of different salts apart; turn it off only for a server that refuses the field
     cache_salt: bool = True
+    #: which replica answers (routing.py): the one most likely to hold the prompt's prefix in its cache
+    #: (``prefix``), the fewest requests in flight (``least_outstanding``), or one per conversation (``session``)
+    routing: Literal["least_outstanding", "prefix", "session"] = "prefix"
+    affinity: AffinityOptions = Field(default_factory=AffinityOptions)

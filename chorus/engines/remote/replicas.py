@@ -1,6 +1,6 @@
-"""Replicas of one remote model: pick the least busy healthy one, take a failing one out for a while.
+"""Replicas of one remote model: pick one by the routing policy (routing.py), take a failing one out for a while.
 
-`ReplicaPool` picks, for each request, the healthy replica with the fewest requests outstanding; a
+`ReplicaPool` picks, for each request, the healthy replica its policy ranks first among those not tried yet; a
 replica that fails (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``. Upstream
 HTTP errors map into chorus's error tree here (`error_from`); a `Retryable` one lets the caller try
 the next replica as long as nothing has reached the client.
@@ -12,7 +12,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from chorus.engines.remote.routing import Ask, Policy, policy
 from chorus.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
 
 log = logging.getLogger("chorus.remote")
@@ -37,16 +39,25 @@ class Replica:
 
 
 class ReplicaPool:
-    def __init__(self, urls: list[str], cooldown_s: float) -> None:
+    def __init__(self, urls: list[str], cooldown_s: float, routing: str = "least_outstanding",
+                 affinity: Any = None) -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
         self.cooldown_s = cooldown_s
+        self.policy: Policy = policy(routing, [r.url for r in self.replicas], affinity)
 
-    def pick(self, tried: set[str]) -> Replica:
+    def pick(self, tried: set[str], ask: Ask | None = None) -> Replica:
         candidates = [r for r in self.replicas if r.url not in tried and r.healthy]
         if not candidates:
             down = [f"{r.url} ({r.last_error or 'cooling down'})" for r in self.replicas]
             raise EngineUnavailable(f"No healthy replica left: {'; '.join(down)}.")
-        return min(candidates, key=lambda r: (r.outstanding, r.served))
+        chosen: Replica = self.policy.order(candidates, ask or Ask())[0]
+        return chosen
+
+    def answered(self, replica: Replica, ask: Ask | None) -> None:
+        """``replica`` answered ``ask``: counted, and the policy learns where that prompt now is."""
+        replica.served += 1
+        if ask is not None:
+            self.policy.sent(replica, ask)
 
     def failed(self, replica: Replica, why: str) -> None:
         replica.failures += 1
@@ -56,7 +67,7 @@ class ReplicaPool:
 
     def stats(self) -> dict[str, int]:
         return {"replicas": len(self.replicas), "replicas_healthy": sum(r.healthy for r in self.replicas),
-                "outstanding": sum(r.outstanding for r in self.replicas)}
+                "outstanding": sum(r.outstanding for r in self.replicas), **self.policy.stats()}
 
 
 def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:

@@ -13,6 +13,7 @@ import torch
 
 from chorus.engines.core.base import check_rollback
 from chorus.engines.remote.replicas import Replica, ReplicaPool, Retryable
+from chorus.engines.remote.routing import Ask, ask_of
 from chorus.engines.remote.session_wire import decode_next
 from chorus.errors import EngineFailed, InvalidRequest
 
@@ -30,7 +31,8 @@ class Upstream(Protocol):
 
     def salted(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
-    async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any]) -> tuple[Replica, dict[str, Any]]: ...
+    async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any],
+                       ask: Ask | None = None) -> tuple[Replica, dict[str, Any]]: ...
 
     async def call(self, replica: Replica, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]: ...
 
@@ -98,7 +100,7 @@ class WorkerSession:
     async def prefill(self, ids: Any) -> torch.Tensor:
         engine = self.engine
         body = engine.salted({"model": engine.upstream_model, "prompt": list(ids)})
-        replica, data = await engine.post_any(sessions_url, body)
+        replica, data = await engine.post_any(sessions_url, body, ask_of(body["prompt"]))
         self.replica, self.id, self.length = replica, data["id"], len(body["prompt"])
         replica.outstanding += 1  # an open session is work held on that replica
         engine.sessions.add(self)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from chorus.engines.core.base import TokenLogprob, TopLogprob
+from chorus.engines.core.base import ServerLoad, TokenLogprob, TopLogprob
 from chorus.engines.core.generation import SessionEngine
 from chorus.engines.core.hf_tokenizer import HFTokenizer
 from chorus.engines.core.spec import ModelSpec, chorus_home
@@ -168,6 +168,12 @@ class TransformersEngine(SessionEngine):
     @property
     def active_sessions(self) -> int:
         return len(self.runner.sessions)
+
+    def server_load(self) -> ServerLoad:
+        r = self.runner
+        rows = r.rows
+        held = sum(s.length for s in rows)
+        return ServerLoad(len(r.prefills), len(rows), held / (r.max_model_len * r.max_batch_size))
 
     async def drop_prefix_cache(self) -> int:
         """Forget every cached prefix (the admin API); the tokens they held."""

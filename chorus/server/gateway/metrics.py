@@ -23,8 +23,19 @@ INFLIGHT = Gauge("chorus_inflight_requests", "Requests admitted and not yet fini
 REFUSED = Counter("chorus_refused_total", "Requests refused before any work, by reason", ["reason"])
 
 
+#: the inference gateway's model-server protocol, under vLLM's names (what endpoint pickers read out of the box) and
+#: chorus's own: (vLLM name, chorus name, help, the `ServerLoad` field)
+SERVER_LOAD = (
+    ("vllm:num_requests_waiting", "chorus_num_requests_waiting", "requests queued, not yet in the batch", "waiting"),
+    ("vllm:num_requests_running", "chorus_num_requests_running", "sequences in the batch", "running"),
+    ("vllm:kv_cache_usage_perc", "chorus_kv_cache_usage_perc", "share of the KV capacity in use (1 = full)", "kv_usage"),
+    ("vllm:gpu_cache_usage_perc", None, "share of the KV capacity in use (vLLM's older name)", "kv_usage"),
+)
+
+
 class EngineCollector(Collector):
-    """Active sessions (KV caches) and other engine stats, read from the engines at scrape time."""
+    """Active sessions (KV caches) and other engine stats, read from the engines at scrape time; and each batching
+    engine's load as the model-server protocol asks (gauges labelled ``model_name``, as vLLM's)."""
 
     def __init__(self, engines: Callable[[], dict[str, Any]]) -> None:
         self.engines = engines
@@ -44,6 +55,15 @@ class EngineCollector(Collector):
                 for values, value in samples:
                     cfam.add_metric([name, *values], value)
         yield from families.values()
+        loads = {name: load() for name, e in self.engines().items() if (load := getattr(e, "server_load", None))}
+        for vllm_name, own, doc, field in SERVER_LOAD:
+            for metric in (vllm_name, own):
+                if metric is None:
+                    continue
+                gauge = GaugeMetricFamily(metric, doc, labels=["model_name"])
+                for name, state in loads.items():
+                    gauge.add_metric([name], float(getattr(state, field)))
+                yield gauge
 
 
 _collector: EngineCollector | None = None
