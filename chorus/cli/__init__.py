@@ -233,6 +233,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.bench_load:main",
         "chorus.clients.bench_load:add_arguments",
     ),
+    ("bench", "cluster"): Command(
+        "several chorus workers behind one gateway: each replica routing policy on a tenant and a unique workload",
+        "chorus.clients.bench_cluster:main",
+        "chorus.clients.bench_cluster:add_arguments",
+        config=False,
+    ),
     ("bench", "gateway"): Command(
         "gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
         "chorus.clients.bench_gateway:main",

@@ -25,6 +25,51 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--log-level", help="default: server.log.level in the config")
     p.add_argument("--no-prepare", action="store_true", help="fail instead of preparing missing models")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="serve from N processes on one port (remote-only configs; per-key state in Redis)")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers' processes
+
+
+def several_processes_refused(config: ChorusConfig, n: int) -> str | None:
+    """Why ``config`` cannot be served by ``n`` processes, or None. Each process would load its own copy of an
+    in-process model; and what is counted per key (limits, budgets, spend), the requests kept for feedback and the
+    online routers' state must be shared, so they need ``server.state.store`` in Redis."""
+    from chorus.engines.core.registry import engine_kind
+
+    local = [m.name for m in config.models if engine_kind(m.engine).in_process]
+    if local:
+        return (f"--workers {n} serves remote-only configs, and {', '.join(local)} run(s) in this process (each of "
+                f"the {n} would load its own copy): serve them on workers (engine: remote), or run one process")
+    if config.server.state.store == "memory" and (config.auth.keys or config.server.feedback.metrics):
+        return (f"--workers {n} with API keys or feedback needs the state shared: set server.state.store to a "
+                "Redis URL (redis://...), or each process would count its own limits, budgets and spend")
+    return None
+
+
+def supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--workers N``: N copies of this server on one port (SO_REUSEPORT: the kernel spreads connections); a
+    signal is passed on to each (each drains as one would), and the first to exit ends the rest."""
+    import signal
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-m", "chorus", "serve", *argv, "--workers", "1", "--reuse-port"])
+             for _ in range(args.workers)]
+    signals: list[int] = []
+
+    def forward(sig: int, _frame: object) -> None:
+        signals.append(sig)  # (a second one reaches the processes too: they stop at once)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    if not signals:  # one process ended by itself: the others follow
+        forward(signal.SIGTERM, None)
+    codes = [p.wait() for p in procs]  # (uvicorn re-raises the signal it stopped on: -SIGTERM is a clean stop)
+    return next((c for c in codes if c != 0 and -c not in signals), 0)
 
 
 def configure_logging(json_format: bool, level: str) -> None:
@@ -59,6 +104,15 @@ def serve(args: argparse.Namespace) -> int:
         print(f"chorus: {line}", file=sys.stderr, flush=True)
     if not config.models:
         sys.exit("chorus: no model to serve: every model of the config is optional and none is prepared")
+    if args.workers < 1:
+        sys.exit("chorus: --workers must be at least 1")
+    if args.workers > 1:
+        refused = several_processes_refused(config, args.workers)
+        if refused:
+            sys.exit(f"chorus: {refused}")
+        return supervise(args, ["--host", host, "--port", str(port), "--no-prepare",  # (prepared above)
+                                *(["--config", args.config] if args.config else []),
+                                *(["--log-level", args.log_level] if args.log_level else [])])
     for spec in config.models:
         if spec.needs_prepare and args.no_prepare and not_ready(spec):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
@@ -111,9 +165,18 @@ def serve(args: argparse.Namespace) -> int:
     # collector's generations, a full collection no longer walks it (measured: chorus bench gateway, c=32).
     gc.collect()
     gc.freeze()
-    Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level or config.server.log.level,
-                          access_log=False, timeout_graceful_shutdown=max(1, int(grace)),
-                          log_config=None)).run()
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level or config.server.log.level,
+                                   access_log=False, timeout_graceful_shutdown=max(1, int(grace)), log_config=None))
+    if args.reuse_port:  # one of --workers' processes: the port is shared, the kernel spreads connections
+        import socket
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        server.run(sockets=[sock])
+    else:
+        server.run()
     return 0
 
 

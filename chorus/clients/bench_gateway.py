@@ -124,10 +124,12 @@ def main(args: argparse.Namespace) -> int:
         upstream = f"http://127.0.0.1:{up_port}"
         wait_ready(upstream + "/v1/models", procs[-1])
         targets = {"direct to the mock upstream": upstream}
-        stores = {"through chorus (1 process)": "memory"}
+        stores = {"through chorus (1 process)": ("memory", 1)}
         if args.redis:
-            stores["through chorus, limits in Redis"] = args.redis
-        for label, store in stores.items():  # the same key and limits; only where they are counted differs
+            stores["through chorus, limits in Redis"] = (args.redis, 1)
+            if args.processes > 1:
+                stores[f"through chorus ({args.processes} processes, limits in Redis)"] = (args.redis, args.processes)
+        for label, (store, processes) in stores.items():  # the same key and limits; where they are counted differs
             port = gw_port if store == "memory" else free_port()
             cfg = tmp / f"gw-{port}.yaml"
             cfg.write_text(json.dumps({
@@ -138,7 +140,8 @@ def main(args: argparse.Namespace) -> int:
                 "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
                             "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
             procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
-                                           str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                           str(port), "--workers", str(processes)], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             targets[label] = f"http://127.0.0.1:{port}"
             wait_ready(targets[label] + "/health", procs[-1])
         exe = args.litellm or shutil.which("litellm")
@@ -160,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
             for stream in (False, True):
                 body = {"model": "mock", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                         "max_tokens": 16, "stream": stream}
-                for c in (1, 32):
+                for c in args.concurrency:
                     runs: dict[str, list[dict[str, float]]] = {label: [] for label in targets}
                     for _ in range(args.rounds):  # rounds interleave the targets: drift in load hits them alike
                         for label, url in targets.items():
@@ -199,5 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure the feedback path instead: two replicas on this Redis, with and without feedback "
                         "on every request (clients/bench_feedback.py)")
     p.add_argument("--connections", type=int, default=16, help="--feedback: wrk connections per replica")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="wrk connections per cell")
+    p.add_argument("--processes", type=int, default=1,
+                   help="with --redis: one more row, the gateway as this many processes (chorus serve --workers)")
     p.add_argument("--redis", help="a Redis URL: one more chorus process counting the same key's limits there "
                    "(server.state.store), for the shared limiter's cost per request")

@@ -13,7 +13,7 @@ from chorus.engines.remote.routing import ROUTING, Ask
 URLS = [f"http://w{i}:8000/v1" for i in range(4)]
 
 
-def pool(routing: str, **affinity: float) -> ReplicaPool:
+def pool(routing: str, **affinity: object) -> ReplicaPool:
     return ReplicaPool(URLS, cooldown_s=10.0, routing=routing, affinity=AffinityOptions(**affinity))
 
 
@@ -68,13 +68,16 @@ def test_a_hot_prefix_spills_to_a_second_replica_under_load() -> None:
     home = send(p, Ask(prompt(3, 400), scope="t"))
     home.outstanding = 4  # the replica holding it is busy; the others idle
     spill = p.pick(set(), Ask(prompt(3, 400), scope="t"))
-    assert spill.url != home.url
-    home.outstanding = 1  # within the bound again
+    assert spill.url != home.url  # (and from now on it holds the prefix too)
+    home.outstanding, spill.outstanding = 1, 2  # within the bound again: the less busy of the two that hold it
     assert p.pick(set(), Ask(prompt(3, 400), scope="t")).url == home.url
+    others = [r for r in p.replicas if r.url not in (home.url, spill.url)]
+    assert all(p.policy.run(r.url, p.policy.blocks(Ask(prompt(3, 400), scope="t"))) == 0 for r in others)
 
 
-def test_unique_prompts_spread_over_the_ring() -> None:
-    p = pool("prefix")
+@pytest.mark.parametrize("cold", ["least_outstanding", "ring"])
+def test_unique_prompts_spread(cold: str) -> None:
+    p = pool("prefix", cold=cold)
     counts = {u: 0 for u in URLS}
     for i in range(400):
         counts[send(p, Ask(prompt(10_000 + i, 120), scope="t")).url] += 1

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import require, wait_until
+from tests.helpers import prepared_model_dir, require, wait_until
 
 ADMIN = "sk-admin"
 INSTALL = "apt-get install redis-server"
@@ -366,3 +366,73 @@ def test_the_admin_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.
         assert httpx.get(srv.url + "/admin/keys/k", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 401
         r = httpx.get(srv.url + "/admin/keys/k", headers={"Authorization": "Bearer sk-from-env"}, timeout=10)
         assert r.status_code == 200 and r.json()["spend"]["lifetime"]["fake"]["tokens"] > 0
+
+
+@contextmanager
+def mock_upstream() -> Iterator[str]:
+    """bench gateway's mock OpenAI server (a fixed answer, no model) in a process of its own; yields its /v1 URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", f"from chorus.clients.bench_gateway import mock_upstream; "
+                             f"mock_upstream({port})"])
+    try:
+        assert wait_until(lambda: up_models(f"http://127.0.0.1:{port}"), timeout=30)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def up_models(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v1/models", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def remote_config(redis_url: str, upstream: str, **key: Any) -> dict[str, Any]:
+    """One remote model (what --workers serves); its tokenizer is the prepared SmolLM2's."""
+    tokenizer = prepared_model_dir("smollm2-135m-instruct")
+    return {"server": {"state": {"store": redis_url, "admin_sha256": sha(ADMIN), "timeout_s": 0.3}},
+            "models": [{"name": "fake", "engine": "remote", "max_model_len": 512,
+                        "remote": {"replicas": [upstream], "model": "mock", "tokenizer": str(tokenizer)}}],
+            "auth": {"keys": [{"name": "k", "sha256": sha("sk-k"), **key}]}}
+
+
+def test_one_gateway_in_two_processes_counts_one_window(redis_server: Redis, tmp_path: Path) -> None:
+    """``chorus serve --workers 2``: two processes on one port (the kernel spreads the connections), one rpm
+    window in Redis: exactly rpm requests pass, and SIGTERM stops both."""
+    redis_server.flush()
+    with mock_upstream() as upstream:
+        path = tmp_path / "workers.yaml"
+        path.write_text(yaml.safe_dump(remote_config(redis_server.url, upstream, rpm=10)))
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(path), "--port", str(port),
+                                 "--workers", "2", "--log-level", "warning"], stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            assert wait_until(lambda: up(url) or proc.poll() is not None, timeout=120) and proc.poll() is None
+            children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            assert len(children) == 2
+            with cf.ThreadPoolExecutor(8) as pool:
+                codes = sorted(r.status_code for r in pool.map(lambda _: ask(url), range(16)))
+            assert codes == [200] * 10 + [429] * 6
+            assert report(url)["window"]["requests"] == 10
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize(("models", "state", "keys", "refusal"), [
+    ([{"name": "fake", "engine": "fake"}], "memory", [], "fake run(s) in this process"),
+    ("remote", "memory", [{"name": "k", "sha256": "0" * 64, "rpm": 5}], "set server.state.store to a Redis URL"),
+])
+def test_several_processes_are_refused_where_they_would_be_wrong(tmp_path: Path, models: Any, state: str,
+                                                                 keys: list[dict[str, Any]], refusal: str) -> None:
+    if models == "remote":
+        models = [{"name": "r", "engine": "remote", "remote": {"replicas": ["http://127.0.0.1:9/v1"],
+                                                               "tokenizer": "unused"}}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"server": {"state": {"store": state}}, "models": models, "auth": {"keys": keys}}))
+    res = subprocess.run([sys.executable, "-m", "chorus", "serve", "--config", str(path), "--workers", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and refusal in res.stderr, res.stderr

@@ -38,6 +38,9 @@ class EngineKind:
     options: ClassVar[type[BaseModel]] = NoOptions
     #: runs no torch forward in this process (``chorus serve`` gives torch one thread when all models are light)
     light: ClassVar[bool] = False
+    #: its model runs in this process (weights, KV caches): a gateway in several processes would hold one copy
+    #: each, so ``chorus serve --workers`` refuses it (a remote model's process only forwards)
+    in_process: ClassVar[bool] = True
 
     def check(self, spec: ModelSpec) -> None:
         """Raise ValueError when the entry cannot be of this kind (its origin: ``source``, ``path``, ``derive``)."""

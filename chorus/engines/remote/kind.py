@@ -18,6 +18,7 @@ class RemoteKind(EngineKind):
     engine = "chorus.engines.remote.engine:RemoteEngine"
     options = RemoteOptions
     light = True
+    in_process = False
 
     def state(self, spec: ModelSpec, home: Path) -> tuple[str, str]:
         assert isinstance(spec.options, RemoteOptions)

@@ -16,6 +16,8 @@ class AffinityOptions(BaseModel):
     min_match_tokens: int = Field(default=64, ge=1, description="a cached run shorter than this is no reason to go")
     index_blocks: int = Field(default=100_000, ge=1, description="block hashes remembered per replica (LRU)")
     virtual_nodes: int = Field(default=64, ge=1, le=1024, description="points per replica on the hash ring")
+    #: a prompt no replica holds a run of: to the least busy replica, or placed on the hash ring by its opening
+    cold: Literal["least_outstanding", "ring"] = "least_outstanding"
     load_factor: float = Field(default=1.25, ge=1.0, description="a replica over this x the mean load is passed over")
     spill_after: int = Field(default=2, ge=1, description="a replica with fewer requests in flight is never passed "
                              "over for load")
@@ -47,7 +49,8 @@ class RemoteOptions(BaseModel):
     #: send the request's prefix scope (tenant and client salt) as ``cache_salt``: vLLM (>= 0.9) and chorus
     #: workers keep prefixes of different salts apart; turn it off only for a server that refuses the field
     cache_salt: bool = True
-    #: which replica answers (routing.py): the one most likely to hold the prompt's prefix in its cache
-    #: (``prefix``), the fewest requests in flight (``least_outstanding``), or one per conversation (``session``)
-    routing: Literal["least_outstanding", "prefix", "session"] = "prefix"
+    #: which replica answers (routing.py): the fewest requests in flight (``least_outstanding``), the one most likely
+    #: to hold the prompt's prefix in its cache (``prefix``), or one per conversation (``session``). The default
+    #: stays least_outstanding: prefix was not measured better here (docs/benchmarks.md, chorus bench cluster)
+    routing: Literal["least_outstanding", "prefix", "session"] = "least_outstanding"
     affinity: AffinityOptions = Field(default_factory=AffinityOptions)

@@ -51,13 +51,13 @@ class ReplicaPool:
             down = [f"{r.url} ({r.last_error or 'cooling down'})" for r in self.replicas]
             raise EngineUnavailable(f"No healthy replica left: {'; '.join(down)}.")
         chosen: Replica = self.policy.order(candidates, ask or Ask())[0]
+        if ask is not None:
+            self.policy.sent(chosen, ask)  # known at once: a request with the same prefix a moment later follows
         return chosen
 
     def answered(self, replica: Replica, ask: Ask | None) -> None:
-        """``replica`` answered ``ask``: counted, and the policy learns where that prompt now is."""
+        """``replica`` answered ``ask``."""
         replica.served += 1
-        if ask is not None:
-            self.policy.sent(replica, ask)
 
     def failed(self, replica: Replica, why: str) -> None:
         replica.failures += 1

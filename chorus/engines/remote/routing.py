@@ -1,20 +1,22 @@
 """Which replica answers a request: a registry of policies (``remote.routing``), each ordering the healthy replicas
 it may use, best first (the pool then fails over along that order, as it always did).
 
-- ``least_outstanding``: the replica with the fewest requests in flight (ties: the one that served fewest), blind
-  to what the replicas hold in their prefix caches.
-- ``prefix`` (the default): the replica most likely to hold the request's prefix in its cache. The prompt's token
-  ids (the gateway renders them with the model's own tokenizer, so they are the ids the worker caches) are cut
-  into blocks of ``block_tokens``, each block's hash chained to the previous one's and seeded with the request's
-  prefix scope (its tenant and ``cache_salt``: two tenants never share a cache, so they never share a hash). The
-  pool remembers, per replica, the block hashes of what it sent there (an LRU of ``index_blocks``); a request goes
-  to the replica holding the longest run of its leading blocks, when that run is at least ``min_match_tokens``
-  (a chat template's fixed opening alone does not count). With no such run (a new conversation, a unique prompt)
-  the first ``min_match_tokens`` of the prompt are placed on a consistent-hash ring (``virtual_nodes`` points per
-  replica), so the same opening lands on the same replica even before any of it is cached, and different ones
-  spread. Either way the load is bounded: a replica with more than ``load_factor`` times the mean requests in
-  flight (plus one), and with at least ``spill_after``, is passed over for the next best, so a hot prefix spills to a second replica rather than
-  queueing on one (bounded-load consistent hashing, Mirrokni, Thorup and Zadimoghaddam 2018).
+- ``least_outstanding`` (the default): the replica with the fewest requests in flight (ties: the one that served
+  fewest), blind to what the replicas hold in their prefix caches.
+- ``prefix``: the replica most likely to hold the request's prefix in its cache. The prompt's token ids (the
+  gateway renders them with the model's own tokenizer, so they are the ids the worker caches) are cut into blocks
+  of ``block_tokens``, each block's hash chained to the previous one's and seeded with the request's prefix scope
+  (its tenant and ``cache_salt``: two tenants never share a cache, so they never share a hash). The pool remembers,
+  per replica, the block hashes of what it sent there (an LRU of ``index_blocks``; recorded when a request is sent,
+  so one with the same prefix a moment later follows it); a request goes to the replica holding the longest run of
+  its leading blocks, when that run is at least ``min_match_tokens`` (a chat template's fixed opening alone does
+  not count). With no such run (a new conversation, a unique prompt) it goes to the least busy replica (``cold:
+  least_outstanding``, the default), or (``cold: ring``) its opening is placed on a consistent-hash ring
+  (``virtual_nodes`` points per replica), so the same opening lands on the same replica and different ones spread.
+  Either way the load is bounded: a replica with more than ``load_factor`` times the mean requests in flight (plus
+  one), and with at least ``spill_after``, is passed over for the next best, so a hot prefix spills to a second
+  replica rather than queueing on one (bounded loads as in Mirrokni, Thorup and Zadimoghaddam's consistent hashing
+  with bounded loads, 2018).
 - ``session``: the same replica for the same conversation key (the request's ``user``, else its prefix scope)
   on the same bounded-load ring: sticky without reading prompts.
 
@@ -177,6 +179,8 @@ class PrefixAffinity(RingPolicy):
             ranked = sorted(candidates, key=lambda r: (-runs[r.url], r.outstanding, r.served))
             return bounded(ranked, candidates, self.options.load_factor, self.options.spill_after)
         self.placed += 1
+        if self.options.cold == "least_outstanding":
+            return least_busy(candidates)
         if len(chain) >= need:
             return self.on_ring(candidates, chain[need - 1])
         head = digest((ask.scope or "").encode(), b",".join(str(t).encode() for t in list(ask.prompt_ids)[:64]))
