@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -35,27 +35,17 @@ from chorus.server.gateway.context import Context, Served
 Use = Literal["generate", "count", "score", "embed", "session"]
 
 
-class AsksModel(Protocol):
-    """A request body that names a model and may carry an ``ensemble`` (chat, completions, choices)."""
-
-    model: str
-    ensemble: dict[str, Any] | None
-
-
 @dataclass
 class ModelTarget:
     """One model serves the request."""
 
-    name: str
     engine: Engine
 
 
 @dataclass
 class EnsembleTarget:
-    """An ensemble serves the request: a named one (``name`` is the config's), or an inline one (``name`` is the
-    body's ``model``, served as ``ensemble:STRATEGY``)."""
+    """An ensemble serves the request: a named one, or an inline one (served as ``ensemble:STRATEGY``)."""
 
-    name: str
     ensemble: Ensemble
 
     @property
@@ -88,6 +78,7 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
     (where it has one) narrows the key's prefix-cache scope."""
     if use == "generate":
         body.check_limits(ctx.config.server.limits)
+        tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
     CACHE_SALT.set(getattr(body, "cache_salt", None))
     AFFINITY.set(getattr(body, "user", None))  # a conversation key, for a remote model's session routing
     ensemble = find_ensemble(ctx, body)
@@ -100,8 +91,8 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
         admit(ctx, body.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
               uses=() if named else ensemble.strategy.models(), body=body)
         check_limits(ctx.config.server.limits, ensemble)
-        return EnsembleTarget(body.model, ensemble)
-    return ModelTarget(body.model, model(ctx, body.model, use, body))
+        return EnsembleTarget(ensemble)
+    return ModelTarget(model(ctx, body.model, use, body))
 
 
 def model(ctx: Context, name: str, use: Use = "generate", body: Any = None) -> Engine:
@@ -136,8 +127,6 @@ def admit(ctx: Context, name: str, strategy: str = "", uses: Iterable[str] = (),
     if body is not None and ctx.config.server.log.prompts:
         prompt = body.message_dicts() if getattr(body, "messages", None) is not None else body.prompt
     ctx.served = Served(name, strategy, prompt)
-    if body is not None and hasattr(body, "operation"):  # chat and completions: the span's GenAI attributes
-        tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
     return ctx.served
 
 

@@ -26,7 +26,7 @@ def prompt(head: int, length: int, tail: int = 0) -> list[int]:
 
 def send(p: ReplicaPool, ask: Ask) -> Replica:
     r = p.pick(set(), ask)
-    p.answered(r, ask)
+    p.answered(r)
     return r
 
 

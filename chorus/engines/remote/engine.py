@@ -281,7 +281,7 @@ class RemoteEngine:
             replica.outstanding += 1
             try:
                 data = await self.call(replica, "POST", url_of(replica), body)
-                self.pool.answered(replica, ask)
+                self.pool.answered(replica)
                 return replica, data
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")
@@ -308,7 +308,7 @@ class RemoteEngine:
                     async for delta in deltas_from(resp.content, self.name, request):
                         sent = True
                         yield delta
-                self.pool.answered(replica, ask)
+                self.pool.answered(replica)
                 return
             except (aiohttp.ClientError, TimeoutError, Retryable) as exc:
                 self.pool.failed(replica, f"{type(exc).__name__}: {exc}")

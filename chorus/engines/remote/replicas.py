@@ -55,8 +55,7 @@ class ReplicaPool:
             self.policy.sent(chosen, ask)  # known at once: a request with the same prefix a moment later follows
         return chosen
 
-    def answered(self, replica: Replica, ask: Ask | None) -> None:
-        """``replica`` answered ``ask``."""
+    def answered(self, replica: Replica) -> None:
         replica.served += 1
 
     def failed(self, replica: Replica, why: str) -> None:

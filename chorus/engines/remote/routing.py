@@ -29,10 +29,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 from chorus.engines.core.base import AFFINITY, prefix_salt
 from chorus.lazy import load
@@ -44,21 +45,16 @@ ROUTING: dict[str, str] = {
 }
 
 
-class Candidate(Protocol):
-    """What a policy reads of a replica (replicas.py's `Replica`)."""
-
-    url: str
-    outstanding: int
-    served: int
-
-
 @dataclass
 class Ask:
-    """What a policy may read of one request."""
+    """What a policy may read of one request (replicas are read as replicas.py's `Replica`: ``url``,
+    ``outstanding``, ``served``)."""
 
     prompt_ids: Sequence[int] = ()
     scope: str | None = None  #: the prefix scope sent as ``cache_salt`` (tenant, narrowed by the client's salt)
     session: str | None = None  #: a conversation key (the request's ``user``)
+    #: the prompt's chained block hashes, once a policy has computed them (read when picking and when recorded)
+    chain: list[int] | None = field(default=None, repr=False)
 
 
 def ask_of(prompt_ids: Sequence[int]) -> Ask:
@@ -70,7 +66,6 @@ class Policy:
     name = ""
 
     def __init__(self, urls: list[str], options: Any) -> None:
-        self.urls = urls
         self.options = options
 
     def order(self, candidates: list[Any], ask: Ask) -> list[Any]:
@@ -160,14 +155,16 @@ class PrefixAffinity(RingPolicy):
         self.placed = 0  #: requests placed on the ring (no run long enough)
 
     def blocks(self, ask: Ask) -> list[int]:
-        """The chained hashes of the prompt's whole blocks."""
-        size = self.options.block_tokens
-        ids = list(ask.prompt_ids)
-        out, h = [], digest((ask.scope or "").encode())
-        for i in range(0, len(ids) - size + 1, size):
-            h = digest(h.to_bytes(8, "big"), b",".join(str(t).encode() for t in ids[i:i + size]))
-            out.append(h)
-        return out
+        """The chained hashes of the prompt's whole blocks (computed once per request)."""
+        if ask.chain is None:
+            size = self.options.block_tokens
+            ids = array("q", ask.prompt_ids).tobytes()
+            out, h = [], digest((ask.scope or "").encode())
+            for i in range(0, len(ids) - size * 8 + 1, size * 8):
+                h = digest(h.to_bytes(8, "big"), ids[i:i + size * 8])
+                out.append(h)
+            ask.chain = out
+        return ask.chain
 
     def order(self, candidates: list[Any], ask: Ask) -> list[Any]:
         chain = self.blocks(ask)
@@ -183,7 +180,7 @@ class PrefixAffinity(RingPolicy):
             return least_busy(candidates)
         if len(chain) >= need:
             return self.on_ring(candidates, chain[need - 1])
-        head = digest((ask.scope or "").encode(), b",".join(str(t).encode() for t in list(ask.prompt_ids)[:64]))
+        head = digest((ask.scope or "").encode(), array("q", list(ask.prompt_ids)[:64]).tobytes())
         return self.on_ring(candidates, head)
 
     def run(self, url: str, chain: list[int]) -> int:

@@ -1,7 +1,8 @@
 """The gateway's front door, one ASGI middleware around every request.
 
-For every request: its `Context` (gateway/context.py, the one typed record every layer reads), a request id (``X-Request-ID`` accepted if sane, else generated; echoed on the
-response), one structured access-log line, and the request metrics. For ``/v1/*`` requests, before any
+For every request: its `Context` (gateway/context.py, the one typed record every layer reads), a request id
+(``X-Request-ID`` accepted if sane, else generated; echoed on the response), one structured access-log line, and
+the request metrics. For ``/v1/*`` requests, before any
 work: draining (503 during shutdown), the API key (401), the key's limits and budget (429 with ``Retry-After``;
 counted in the ``server.state`` store: this process, or Redis shared by every replica),
 the server-wide admission limit (503 ``server_overloaded`` with ``Retry-After``; no unbounded queue),

@@ -42,7 +42,10 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        loads: dict[str, Any] = {}  #: the batching engines' `ServerLoad`
         for name, engine in self.engines().items():
+            if (load := getattr(engine, "server_load", None)) is not None:
+                loads[name] = load()
             for stat, value in engine.stats().items():
                 fam = families.setdefault(stat, GaugeMetricFamily(f"chorus_engine_{stat}", f"engine stat {stat}",
                                                                   labels=["model"]))
@@ -55,7 +58,6 @@ class EngineCollector(Collector):
                 for values, value in samples:
                     cfam.add_metric([name, *values], value)
         yield from families.values()
-        loads = {name: load() for name, e in self.engines().items() if (load := getattr(e, "server_load", None))}
         for vllm_name, own, doc, field in SERVER_LOAD:
             for metric in (vllm_name, own):
                 if metric is None:

@@ -139,11 +139,7 @@ class CompletionFields(FamilyFields):
         return self.max_tokens
 
     def check_limits(self, limits: Limits) -> None:
-        """The server's request limits (``server.limits``): messages, ``n``, ``max_tokens``."""
-        messages = getattr(self, "messages", None)
-        if messages is not None and len(messages) > limits.max_messages:
-            raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.",
-                                 param="messages")
+        """The server's request limits (``server.limits``): ``n``, ``max_tokens`` (chat: messages first)."""
         if self.n > limits.max_n:
             raise InvalidRequest(f"'n' must be at most {limits.max_n} on this server.", param="n")
         max_tokens = self.completion_limit
@@ -218,6 +214,12 @@ class ChatCompletionRequest(CompletionFields):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def check_limits(self, limits: Limits) -> None:
+        if len(self.messages) > limits.max_messages:
+            raise InvalidRequest(f"At most {limits.max_messages} messages per request on this server.",
+                                 param="messages")
+        super().check_limits(limits)
 
     @property
     def completion_limit(self) -> int | None:
