@@ -107,6 +107,29 @@ def test_requests_spread_over_both_workers_and_match_local(workers: list[Worker]
         assert health["replicas_healthy"] == 2 and health["outstanding"] == 0
 
 
+def test_a_worker_busy_with_other_clients_is_passed_over_by_its_gauges(workers: list[Worker]) -> None:
+    """The gateway reads each worker's model-server gauges (vllm:num_requests_running / _waiting): a worker busy
+    with requests sent around the gateway gets none of the gateway's while it reports them."""
+    busy = workers[0]
+    direct = openai.OpenAI(base_url=busy.url, api_key="x", max_retries=0, timeout=120)
+    with gateway(remote_config([w.url for w in workers], load_interval_s=0.2)) as gw, ThreadPoolExecutor(3) as ex:
+        hogs = [ex.submit(direct.completions.create, model=SMOL, prompt="Once upon a time", max_tokens=400,
+                          temperature=0, extra_body={"ignore_eos": True}) for _ in range(3)]
+        assert wait_until(lambda: "vllm:num_requests_running{model_name=\"" + SMOL + "\"} 0.0" not in
+                          httpx.get(busy.url.removesuffix("/v1") + "/metrics").text, timeout=30)
+        time.sleep(0.6)  # three reads of the gauges
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        before = [w.served() for w in workers]
+        for _ in range(4):  # one at a time: blind, the pool would alternate (ties go to the one that served fewer)
+            c.chat.completions.create(model="smol-remote", messages=Q, max_tokens=4, temperature=0)
+        after = [w.served() for w in workers]
+        assert not hogs[0].done(), "the direct requests ended before the gateway's: lengthen them"
+        assert after[1] - before[1] == 4 and after[0] == before[0], (before, after)
+        assert httpx.get(gw.url + "/health").json()["models"]["smol-remote"]["replicas_reporting_load"] == 2
+        for h in hogs:
+            h.result()
+
+
 def test_a_hanging_replica_is_timed_out_and_routed_around(workers: list[Worker]) -> None:
     hang = Hang()
     with gateway(remote_config([hang.url, workers[0].url], read_timeout_s=6)) as gw:

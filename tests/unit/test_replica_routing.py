@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from chorus.engines.core.base import ServerLoad
 from chorus.engines.remote.options import AffinityOptions
-from chorus.engines.remote.replicas import Replica, ReplicaPool
+from chorus.engines.remote.replicas import Replica, ReplicaPool, reported_load
 from chorus.engines.remote.routing import ROUTING, Ask
 
 URLS = [f"http://w{i}:8000/v1" for i in range(4)]
@@ -111,3 +112,41 @@ def test_session_routing_is_sticky_per_key_and_spreads_keys() -> None:
     assert len(seen) == 1
     spread = {send(p, Ask(prompt(1, 10), session=f"user-{i}")).url for i in range(40)}
     assert len(spread) >= 3
+
+
+# ---- what replicas report of their load (the model-server protocol's gauges) ----
+
+VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="qwen"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="other"} 50.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen"} 8.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="qwen"} 0.42
+"""
+
+
+@pytest.mark.parametrize("text, model, expected", [
+    (VLLM, "qwen", ServerLoad(3, 8, 0.42)),  # another model's samples are not counted
+    (VLLM.replace("kv_cache_usage_perc", "gpu_cache_usage_perc"), "qwen", ServerLoad(3, 8, 0.42)),  # vLLM < 0.10
+    ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n", "any", ServerLoad(0, 2, 0.0)),
+    ("# TYPE http_requests_total counter\nhttp_requests_total 7\n", "qwen", None),  # no request gauges
+])
+def test_a_replicas_gauges_are_read_for_its_model(text: str, model: str, expected: ServerLoad | None) -> None:
+    assert reported_load(text, model) == expected
+
+
+def test_a_replica_busy_with_others_requests_is_passed_over_until_its_report_goes_stale() -> None:
+    p = pool("least_outstanding")
+    busy = p.replicas[0]
+    for r in p.replicas:
+        r.report(ServerLoad(0, 0, 0.0), 60)
+    busy.report(ServerLoad(waiting=2, running=4, kv_usage=0.9), 60)
+    busy.served = -1  # it would win every tie
+    picked = [send(p, Ask()).url for _ in range(12)]
+    assert busy.url not in picked
+    p.replicas[1].outstanding = 9  # what this gateway has in flight counts when it is more than reported
+    assert p.pick(set()).url not in (busy.url, p.replicas[1].url)
+    busy.report(ServerLoad(2, 4, 0.9), fresh_s=-1)  # stale: read blind again
+    assert busy.load == 0 and p.pick(set()).url == busy.url

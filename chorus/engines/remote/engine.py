@@ -2,7 +2,8 @@
 
 Replicas and retries live in ``replicas.py``, the OpenAI request / response format in
 ``openai_wire.py``; this module holds the engine, ``sessions.py`` its token-level sessions. `ReplicaPool` picks,
-for each request, the healthy replica with the fewest requests outstanding; a replica that fails
+for each request, the healthy replica its routing policy ranks first (routing.py; by default the least loaded: a
+load loop reads each replica's ``/metrics`` gauges every ``load_interval_s``); a replica that fails
 (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``, and a health loop (``/health``, else
 ``/v1/models``) brings it back. A request is retried on another replica as long
 as nothing has been sent to the client; after the first streamed delta a failure is an error (the
@@ -53,7 +54,7 @@ from chorus.engines.core.spec import ModelSpec
 from chorus.engines.core.vocab import Vocab, vocab_of
 from chorus.engines.remote.openai_wire import deltas_from, generation_from, request_body
 from chorus.engines.remote.options import RemoteOptions
-from chorus.engines.remote.replicas import Replica, ReplicaPool, Retryable, error_from
+from chorus.engines.remote.replicas import Replica, ReplicaPool, Retryable, error_from, reported_load
 from chorus.engines.remote.routing import Ask, ask_of
 from chorus.engines.remote.sessions import RemoteSession, WorkerSession, sessions_url
 from chorus.engines.runtime.metric import Metric
@@ -85,6 +86,7 @@ class RemoteEngine:
         self.upstream_model = self.remote.model or spec.name
         self._client: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
+        self._load: asyncio.Task[None] | None = None
         caps = set(self.capabilities)
         if self.remote.api == "completions":  # the gateway renders tools into the prompt and parses the answer
             caps |= {TOPK_LOGITS, TOOLS}
@@ -118,6 +120,8 @@ class RemoteEngine:
             timeout=aiohttp.ClientTimeout(total=None, connect=r.connect_timeout_s, sock_read=r.read_timeout_s),
             headers={"Authorization": f"Bearer {key}"} if key else {}, raise_for_status=False)
         self._health = asyncio.create_task(self._health_loop())
+        if r.load_interval_s > 0:
+            self._load = asyncio.create_task(self._load_loop())
 
     def close_later(self, replica: Replica, sid: str) -> None:
         """DELETE a worker session without making the caller wait (close() is synchronous)."""
@@ -140,6 +144,7 @@ class RemoteEngine:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         await cancelled(self._health)
+        await cancelled(self._load)
         if self._client is not None:
             await self._client.close()
 
@@ -162,6 +167,25 @@ class RemoteEngine:
                 if ok:
                     r.down_until = 0.0
                     log.info("replica %s is back", r.url)
+
+    async def _load_loop(self) -> None:
+        """Read every healthy replica's gauges (replicas.py, `reported_load`); a replica that exposes none, or
+        stops answering, is left to what this gateway knows of it."""
+        every = self.remote.load_interval_s
+        model = self.remote.model or self.name
+        while True:
+            await asyncio.gather(*(self._read_load(r, model, every) for r in self.pool.replicas if r.healthy))
+            await asyncio.sleep(every)
+
+    async def _read_load(self, replica: Replica, model: str, every: float) -> None:
+        try:
+            url = replica.url.removesuffix("/v1") + "/metrics"
+            async with self.client.get(url, timeout=aiohttp.ClientTimeout(total=max(every, 1.0))) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+            replica.report(reported_load(text, model) if text else None, 3 * every)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("reading %s's load failed: %s", replica.url, exc)
+            replica.report(None, 0.0)
 
     @property
     def client(self) -> aiohttp.ClientSession:

@@ -39,6 +39,10 @@ class RemoteOptions(BaseModel):
     read_timeout_s: float = Field(default=120.0, gt=0, description="longest silence while waiting for bytes")
     cooldown_s: float = Field(default=10.0, ge=0, description="a failing replica is out for this long")
     health_interval_s: float = Field(default=5.0, gt=0)
+    #: read each healthy replica's /metrics this often for its requests waiting and running (the model-server
+    #: protocol's gauges, vLLM's names): a replica busy with other gateways' or clients' requests counts as busy.
+    #: 0: never (the pool then knows only its own requests in flight)
+    load_interval_s: float = Field(default=1.0, ge=0)
     max_connections: int = Field(default=256, ge=1)
     top_logprobs: int = Field(
         default=20, ge=1, le=20, description="logit averaging over remote members: top-k per step"

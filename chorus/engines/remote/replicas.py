@@ -4,6 +4,10 @@
 replica that fails (connection refused or reset, timeout, 5xx) is out for ``cooldown_s``. Upstream
 HTTP errors map into chorus's error tree here (`error_from`); a `Retryable` one lets the caller try
 the next replica as long as nothing has reached the client.
+
+A replica's load is what this gateway has in flight there, or, when the replica reports more on its ``/metrics``
+(the model-server protocol's gauges, `reported_load`: vLLM and chorus workers expose them), what it reports: the
+requests other gateway processes, other gateways or other clients sent it count too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from chorus.engines.core.base import ServerLoad
 from chorus.engines.remote.routing import Ask, Policy, policy
 from chorus.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
 
@@ -32,10 +39,24 @@ class Replica:
     failures: int = 0
     served: int = 0
     last_error: str = ""
+    reported: ServerLoad | None = None  #: the replica's own gauges, last read
+    reported_until: float = 0.0  #: ... trusted until then (a replica that stops answering /metrics is read blind)
 
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self.down_until
+
+    @property
+    def load(self) -> int:
+        """Requests on this replica: this gateway's in flight, or the replica's own count (waiting + running) when
+        it reported more, recently."""
+        if self.reported is None or time.monotonic() > self.reported_until:
+            return self.outstanding
+        return max(self.outstanding, self.reported.waiting + self.reported.running)
+
+    def report(self, load: ServerLoad | None, fresh_s: float) -> None:
+        self.reported = load
+        self.reported_until = time.monotonic() + fresh_s
 
 
 class ReplicaPool:
@@ -66,7 +87,30 @@ class ReplicaPool:
 
     def stats(self) -> dict[str, int]:
         return {"replicas": len(self.replicas), "replicas_healthy": sum(r.healthy for r in self.replicas),
-                "outstanding": sum(r.outstanding for r in self.replicas), **self.policy.stats()}
+                "outstanding": sum(r.outstanding for r in self.replicas),
+                "replicas_reporting_load": sum(r.reported is not None for r in self.replicas), **self.policy.stats()}
+
+
+#: the model-server protocol's gauges, in vLLM's names (chorus workers expose them too); ``gpu_cache_usage_perc`` is
+#: what vLLM called the KV gauge before 0.10
+WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def reported_load(text: str, model: str) -> ServerLoad | None:
+    """A replica's load for ``model`` read from its Prometheus exposition (None: it exposes no request gauges).
+    Samples labelled with another ``model_name`` are not this model's; unlabelled ones are the server's."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name not in (WAITING, RUNNING, *KV_USAGE) or sample.labels.get("model_name", model) != model:
+                continue
+            found[name] = found.get(name, 0.0) + sample.value
+    if WAITING not in found and RUNNING not in found:
+        return None
+    kv = next((found[k] for k in KV_USAGE if k in found), 0.0)
+    return ServerLoad(int(found.get(WAITING, 0)), int(found.get(RUNNING, 0)), kv)
 
 
 def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:

@@ -1,8 +1,9 @@
 """Which replica answers a request: a registry of policies (``remote.routing``), each ordering the healthy replicas
 it may use, best first (the pool then fails over along that order, as it always did).
 
-- ``least_outstanding`` (the default): the replica with the fewest requests in flight (ties: the one that served
-  fewest), blind to what the replicas hold in their prefix caches.
+- ``least_outstanding`` (the default): the replica with the fewest requests on it (ties: the one that served
+  fewest), blind to what the replicas hold in their prefix caches. "On it" is the replica's `load`: this gateway's
+  requests in flight there, or what the replica's own gauges report when that is more (replicas.py).
 - ``prefix``: the replica most likely to hold the request's prefix in its cache. The prompt's token ids (the
   gateway renders them with the model's own tokenizer, so they are the ids the worker caches) are cut into blocks
   of ``block_tokens``, each block's hash chained to the previous one's and seeded with the request's prefix scope
@@ -48,7 +49,7 @@ ROUTING: dict[str, str] = {
 @dataclass
 class Ask:
     """What a policy may read of one request (replicas are read as replicas.py's `Replica`: ``url``,
-    ``outstanding``, ``served``)."""
+    ``load``, ``served``)."""
 
     prompt_ids: Sequence[int] = ()
     scope: str | None = None  #: the prefix scope sent as ``cache_salt`` (tenant, narrowed by the client's salt)
@@ -80,7 +81,7 @@ class Policy:
 
 
 def least_busy(candidates: list[Any]) -> list[Any]:
-    return sorted(candidates, key=lambda r: (r.outstanding, r.served))
+    return sorted(candidates, key=lambda r: (r.load, r.served))
 
 
 class LeastOutstanding(Policy):
@@ -119,9 +120,9 @@ def bounded(order: list[Any], candidates: list[Any], factor: float, floor: int) 
     """``order`` with every replica over the load bound moved behind the others (in their order): the bound is
     ``factor`` times the mean of the candidates' requests in flight, counting this one, and never under ``floor``
     (a replica batches several sequences: two requests in flight on one are no reason to lose its cache)."""
-    total = sum(r.outstanding for r in candidates) + 1
+    total = sum(r.load for r in candidates) + 1
     bound = max(math.ceil(factor * total / max(len(candidates), 1)), floor)
-    return [r for r in order if r.outstanding < bound] + [r for r in order if r.outstanding >= bound]
+    return [r for r in order if r.load < bound] + [r for r in order if r.load >= bound]
 
 
 class RingPolicy(Policy):
@@ -173,7 +174,7 @@ class PrefixAffinity(RingPolicy):
         best = max(runs.values(), default=0)
         if best >= need:
             self.matched += 1
-            ranked = sorted(candidates, key=lambda r: (-runs[r.url], r.outstanding, r.served))
+            ranked = sorted(candidates, key=lambda r: (-runs[r.url], r.load, r.served))
             return bounded(ranked, candidates, self.options.load_factor, self.options.spill_after)
         self.placed += 1
         if self.options.cold == "least_outstanding":
