@@ -155,6 +155,25 @@ class FeedbackSection(BaseModel):
         return v
 
 
+class BatchesSection(BaseModel):
+    """OpenAI's Batch API (``/v1/files``, ``/v1/batches``; server/batch/): uploaded files under ``dir``, jobs and
+    their lines in SQLite beside them; lines run in the background through the same routes as live requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    dir: str | None = Field(default=None, description="where files and the job database live (default: "
+                            "$CHORUS_HOME/batches)")
+    #: lines of all batches in flight at once in this process: the share of the engines' slots batch work may take
+    concurrency: int = Field(default=4, ge=1, le=1024)
+    max_file_bytes: int = Field(default=200 * 2**20, ge=1024, description="largest upload (OpenAI: 200 MB)")
+    max_lines: int = Field(default=50_000, ge=1, description="requests per batch (OpenAI: 50,000)")
+    max_completion_window_s: float = Field(default=7 * 86_400.0, gt=0, description="longest completion_window")
+    #: a line claimed by a process that stops answering is claimed again after this long (its answer not kept)
+    lease_s: float = Field(default=900.0, gt=0)
+    poll_s: float = Field(default=0.5, gt=0, description="how often the runner looks for work")
+
+
 class ServerSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -167,6 +186,7 @@ class ServerSection(BaseModel):
     state: StateSection = Field(default_factory=StateSection)
     feedback: FeedbackSection = Field(default_factory=FeedbackSection)
     prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
+    batches: BatchesSection = Field(default_factory=BatchesSection)
     #: the playground page at /playground (static files calling this server's API from the browser)
     playground: bool = True
     #: FastAPI's native OpenTelemetry (tracing, metrics, logs through the global OTel providers). Off by
@@ -307,6 +327,9 @@ class Settings(BaseSettings):
     #: the admin key itself (``GET /admin/keys/{name}``), hashed at start-up; for a Secret in the environment
     #: instead of ``server.state.admin_sha256`` in the config (either one turns the admin API on)
     admin_key: str | None = None
+    #: where the Batch API keeps its files and jobs when the config's ``server.batches.dir`` does not say
+    #: (default ``$CHORUS_HOME/batches``)
+    batch_dir: Path | None = None
 
 
 def load_config(path: str | Path | None = None) -> ChorusConfig:

@@ -111,6 +111,14 @@ class RequestNotFound(GatewayError):
     code = "request_not_found"
 
 
+class NotFound(GatewayError):
+    """A file or batch that does not exist, or belongs to another key (the same answer: ids are not probes)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
 class FeedbackExists(GatewayError):
     status = 409
     type = "invalid_request_error"

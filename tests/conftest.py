@@ -4,6 +4,8 @@ exactly the tests that load real models. Shared helpers live in tests/helpers.py
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,6 +15,9 @@ import pytest
 from tests.helpers import LiveServer, gateway
 
 HERE = Path(__file__).parent
+#: the Batch API's store of any app a test starts without its own ``server.batches.dir`` (and of the servers
+#: tests start as processes): never the user's $CHORUS_HOME/batches, whose batches a test's fakes would run
+os.environ["CHORUS_BATCH_DIR"] = tempfile.mkdtemp(prefix="chorus-test-batches-")
 FOLDER_MARKS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 
 

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -13,10 +14,12 @@ from fastapi import FastAPI
 from chorus import __version__
 from chorus.config import ChorusConfig, Settings
 from chorus.engines.core.base import Engine
+from chorus.engines.core.home import chorus_home
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
 from chorus.lazy import load
 from chorus.server.api.openai.fastpath import FastPath
+from chorus.server.batch.runner import Batches
 from chorus.server.gateway import errors, tracing
 from chorus.server.gateway.admission import Gateway
 from chorus.server.gateway.auth import KeyStore, hash_key
@@ -43,6 +46,8 @@ ROUTERS = (
     "chorus.server.api.sessions:router",
     "chorus.server.api.sessions:router_v2",
     "chorus.server.api.admin:router",
+    "chorus.server.api.files:router",
+    "chorus.server.api.batches:router",
     "chorus.server.api.playground.routes:router",
 )
 
@@ -54,6 +59,13 @@ def key_state(config: ChorusConfig) -> KeyState:
     from chorus.server.gateway.redis_state import RedisState
 
     return RedisState(config.server.state, keys)
+
+
+def batch_dir(config: ChorusConfig) -> Path:
+    """Where the Batch API keeps its files and jobs: the config's ``server.batches.dir``, else
+    ``$CHORUS_BATCH_DIR``, else ``$CHORUS_HOME/batches``."""
+    given = config.server.batches.dir or Settings().batch_dir
+    return Path(given).expanduser() if given else chorus_home() / "batches"
 
 
 def bind_learners(named: dict[str, Ensemble], book: RequestBook) -> None:
@@ -89,10 +101,14 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         await services.key_state.start()
         await services.feedback.start()
         unwatch = watch_engines(lambda: services.engines)
+        if services.batches is not None:
+            services.batches.start(app)  # resumes the unfinished batches of an earlier run
         try:
             yield
         finally:
             unwatch()
+            if services.batches is not None:
+                await services.batches.stop()  # lines in flight given back, run again at the next start
             await services.key_state.aclose()  # buffered charges are written before exit
             await services.feedback.aclose()  # and request records kept for feedback
             await services.sessions.stop()
@@ -114,6 +130,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         sessions=SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open),
         admin_sha256=hash_key(admin_key) if admin_key else config.server.state.admin_sha256,
     )
+    if config.server.batches.enabled:
+        services.batches = Batches(batch_dir(config), config.server.batches, services)
     app.state.services = services  # the one thing the app holds (gateway/services.py)
     errors.install(app)
     for router in ROUTERS:

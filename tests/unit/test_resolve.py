@@ -58,6 +58,11 @@ NO_MODEL = {
     ("post", "/v1/feedback"): "feedback on a request, by the key that made it",
     ("get", "/admin/keys/{name}"): "an admin route",
     ("delete", "/admin/models/{name}/prefix-cache"): "an admin route (drops a model's prefix cache)",
+    **{(m, p): "the Batch API's bookkeeping, by the owner (each line is resolved when it runs, as a live request)"
+       for m, p in (("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/{file_id}"),
+                    ("get", "/v1/files/{file_id}/content"), ("delete", "/v1/files/{file_id}"),
+                    ("post", "/v1/batches"), ("get", "/v1/batches"), ("get", "/v1/batches/{batch_id}"),
+                    ("post", "/v1/batches/{batch_id}/cancel"))},
 }
 
 

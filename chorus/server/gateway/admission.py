@@ -26,7 +26,7 @@ from chorus.engines.core.base import CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from chorus.server.gateway.auth import Principal
-from chorus.server.gateway.context import STATE_KEY, Context
+from chorus.server.gateway.context import BATCH_OWNER, STATE_KEY, Context
 from chorus.server.gateway.errors import error_response, for_path
 from chorus.server.gateway.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 from chorus.server.gateway.services import Services
@@ -34,6 +34,10 @@ from chorus.server.gateway.tenancy import cache_scope, scope_secret
 
 log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: paths a key reaches outside its request windows and budget (still authenticated, still under the server's
+#: admission limit): the Batch API's bookkeeping, so a key whose budget stopped its batch can still read what ran
+#: (the batch's lines are the requests, each admitted and charged as a live one)
+UNMETERED = ("/v1/files", "/v1/batches")
 
 
 class Gateway:
@@ -74,7 +78,8 @@ class Gateway:
         try:
             if path.startswith(("/v1/", "/chorus/")):  # the OpenAI API and the session API
                 try:
-                    principal = await self.admit(headers, ctx)
+                    principal = await self.admit(headers, ctx, scope.get(BATCH_OWNER),
+                                                 metered=not path.startswith(UNMETERED))
                     admitted = True
                     # the prefix caches' tenant (server/gateway/tenancy.py): set here, before any route, from the key
                     CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
@@ -89,7 +94,7 @@ class Gateway:
             if admitted:
                 self.admission.inflight -= 1
                 INFLIGHT.dec()
-                if principal is not None:
+                if principal is not None and ctx.admission_id:
                     await self.state.release(principal, ctx.counted_in)
             elapsed = time.perf_counter() - t0
             route = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
@@ -105,17 +110,21 @@ class Gateway:
                                        **({"prompt": served.prompt} if served is not None
                                           and served.prompt is not None else {})})
 
-    async def admit(self, headers: dict[str, str], ctx: Context) -> Principal | None:
+    async def admit(self, headers: dict[str, str], ctx: Context, batch_owner: str | None = None,
+                    metered: bool = True) -> Principal | None:
         if self.admission.draining:
             raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
-        # Anthropic's clients send the key as x-api-key
-        given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else None)
-        principal = self.keys.authenticate(given) if self.keys.enabled else None
+        if batch_owner is not None:  # a batch's line, sent in-process by the batch runner as its key
+            principal = self.keys.named(batch_owner) if self.keys.enabled else None
+        else:  # Anthropic's clients send the key as x-api-key
+            given = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers
+                                                     else None)
+            principal = self.keys.authenticate(given) if self.keys.enabled else None
         ctx.principal = principal  # known from here on (the allow-list may answer a refusal below)
         if self.admission.inflight >= self.limits.max_concurrent_requests:
             raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
                              "flight; retry shortly.", retry_after=1.0)
-        if principal is not None:
+        if principal is not None and metered:
             # the store's own id (never the client's X-Request-ID: a reused one must not merge two requests' counts)
             ctx.admission_id = uuid.uuid4().hex
             ctx.counted_in = await self.state.admit(principal, ctx.admission_id)
@@ -126,7 +135,7 @@ class Gateway:
             except ValueError:
                 asked = -1.0
             if not asked > 0:
-                if principal is not None:
+                if principal is not None and ctx.admission_id:
                     await self.state.release(principal, ctx.counted_in)
                 raise InvalidRequest("X-Chorus-Timeout must be a positive number of seconds.", param="X-Chorus-Timeout")
             timeout = min(timeout, asked)

@@ -95,6 +95,13 @@ class KeyStore:
     def enabled(self) -> bool:
         return bool(self.principals)
 
+    def named(self, name: str) -> Principal:
+        """The key called ``name`` (a batch runs as the key that created it)."""
+        for p in self.principals:
+            if p.name == name:
+                return p
+        raise AuthenticationFailed(f"The key {name!r} that created this batch is no longer configured.")
+
     def authenticate(self, authorization: str | None) -> Principal:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():

@@ -19,6 +19,9 @@ from chorus.server.gateway.auth import Principal
 from chorus.server.gateway.services import Services
 
 STATE_KEY = "chorus.context"  #: where the front door leaves the context in the ASGI scope's state
+#: the ASGI scope key naming the key a batch line runs as (server/batch/runner.py calls the app in-process with
+#: it; a client cannot set an ASGI scope key, only headers, so it cannot pose as a batch)
+BATCH_OWNER = "chorus.batch_owner"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.types import ASGIApp
 
@@ -45,6 +46,7 @@ class Services:
     started: int = field(default_factory=lambda: int(time.time()))
     engines: dict[str, Engine] = field(default_factory=dict)  #: loaded at start-up
     ensembles: dict[str, Ensemble] = field(default_factory=dict)  #: built at start-up
+    batches: Any = None  #: the Batch API (server/batch/runner.py's `Batches`; None: off)
 
 
 def services_of(app: ASGIApp) -> Services:

@@ -1,0 +1,247 @@
+"""OpenAI's Batch API (/v1/files, /v1/batches; server/batch/) through the official openai SDK, on fake engines: the
+whole cycle, an ensemble batch, cancel and expiry mid-run, a restart mid-batch, keys kept apart, budgets, and
+malformed input failing the batch with the line named."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from chorus.config import ChorusConfig
+from chorus.engines.fake.engine import FakeEngine
+from chorus.server.gateway.auth import hash_key
+from tests.helpers import LiveServer, gateway, wait_until
+
+CHAT = "/v1/chat/completions"
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def config(tmp: Path, **batches: Any) -> ChorusConfig:
+    return ChorusConfig.model_validate({
+        "server": {"batches": {"dir": str(tmp / "batches"), "poll_s": 0.05, **batches}},
+        "models": [{"name": n, "engine": "fake"} for n in ("fake", "slow", "other")],
+        "ensembles": [{"name": "pair", "strategy": "answer_vote", "members": ["fake", "other"], "samples": 2}],
+        "auth": {"keys": [{"name": "alpha", "sha256": hash_key("sk-alpha")},
+                          {"name": "bravo", "sha256": hash_key("sk-bravo")},
+                          {"name": "narrow", "sha256": hash_key("sk-narrow"), "models": ["fake"]},
+                          {"name": "broke", "sha256": hash_key("sk-broke"), "max_budget": 200}]},
+    })
+
+
+def engines() -> dict[str, FakeEngine]:
+    echo = lambda prompt: "re:" + (re.findall(r"item \d+", prompt) or ["?"])[-1]  # noqa: E731
+    return {"fake": FakeEngine("fake", reply=echo), "slow": FakeEngine("slow", delay=0.02, reply=echo),
+            "other": FakeEngine("other", reply=echo)}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    with gateway(config(tmp_path), engines()) as srv:
+        yield srv
+
+
+def client(srv: LiveServer, key: str = "sk-alpha") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+
+
+def line(i: int, model: str = "fake", url: str = CHAT, **body: Any) -> dict[str, Any]:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": url,
+            "body": {"model": model, "messages": [{"role": "user", "content": f"item {i}"}], "max_tokens": 16,
+                     "temperature": 0, **body}}
+
+
+def upload(c: openai.OpenAI, lines: list[Any]) -> str:
+    data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+    return c.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def finished(c: openai.OpenAI, batch_id: str, timeout: float = 30.0) -> Any:
+    assert wait_until(lambda: c.batches.retrieve(batch_id).status in FINAL, timeout=timeout)
+    return c.batches.retrieve(batch_id)
+
+
+def rows(c: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def test_the_whole_cycle(server: LiveServer) -> None:
+    c = client(server)
+    fid = upload(c, [line(i) for i in range(12)])
+    assert c.files.retrieve(fid).purpose == "batch" and fid in [f.id for f in c.files.list()]
+    batch = c.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h", metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = finished(c, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.output_file_id
+    out = rows(c, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(12))
+    for r in out:
+        body = r["response"]["body"]
+        assert r["error"] is None and r["response"]["status_code"] == 200 and r["id"].startswith("batch_req_")
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == \
+            "re:" + r["custom_id"].replace("req-", "item ")
+    assert c.files.retrieve(done.output_file_id).purpose == "batch_output"
+    assert [b.id for b in c.batches.list()] == [batch.id]
+    assert c.files.delete(fid).deleted and fid not in [f.id for f in c.files.list()]
+
+
+def test_completions_an_ensemble_and_a_failing_line(server: LiveServer) -> None:
+    c = client(server)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "fake", "prompt": f"item {i}", "max_tokens": 4}} for i in range(3)]
+    done = finished(c, c.batches.create(input_file_id=upload(c, lines), endpoint="/v1/completions",
+                                        completion_window="24h").id)
+    assert done.status == "completed" and len(rows(c, done.output_file_id)) == 3
+    chats = [line(0, "pair"), line(1, "fake", ensemble={"strategy": "answer_vote", "members": ["fake", "other"],
+                                                              "samples": 2}),
+             line(2, "fake", max_tokens=100_000)]  # runs, and is refused as a live request would be
+    done = finished(c, c.batches.create(input_file_id=upload(c, chats), endpoint=CHAT, completion_window="24h").id)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    out = {r["custom_id"]: r["response"]["body"] for r in rows(c, done.output_file_id)}
+    assert out["req-0"]["model"] == "pair" and out["req-1"]["choices"][0]["message"]["content"] == "re:item 1"
+    (err,) = rows(c, done.error_file_id)
+    assert err["custom_id"] == "req-2" and err["response"]["status_code"] == 400
+    assert "maximum context length" in err["response"]["body"]["error"]["message"]
+
+
+def test_cancel_mid_run(tmp_path: Path) -> None:
+    with gateway(config(tmp_path, concurrency=1), engines()) as srv:
+        c = client(srv)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(40)]), endpoint=CHAT,
+                                 completion_window="24h")
+        assert wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 2)
+        assert c.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        done = finished(c, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at
+        ran, unrun = rows(c, done.output_file_id), rows(c, done.error_file_id)
+        assert len(ran) + len(unrun) == 40 and len(ran) < 40
+        assert {r["error"]["code"] for r in unrun} == {"batch_cancelled"}
+        completed = finished(c, c.batches.create(input_file_id=upload(c, [line(0)]), endpoint=CHAT,
+                                                 completion_window="24h").id)
+        with pytest.raises(openai.BadRequestError, match="only a validating or in-progress batch"):
+            c.batches.cancel(completed.id)
+
+
+def test_expiry(tmp_path: Path) -> None:
+    with gateway(config(tmp_path, concurrency=1), engines()) as srv:
+        c = client(srv)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(60)]), endpoint=CHAT,
+                                 completion_window="2s")
+        done = finished(c, batch.id)
+        assert done.status == "expired" and done.expired_at
+        ran, unrun = rows(c, done.output_file_id), rows(c, done.error_file_id)
+        assert ran and unrun and len(ran) + len(unrun) == 60
+        assert unrun[0]["error"]["code"] == "batch_expired"
+
+
+def test_a_restart_resumes_and_answers_each_line_once(tmp_path: Path) -> None:
+    cfg = config(tmp_path, concurrency=2)
+    with gateway(cfg, engines()) as first:
+        c = client(first)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(30)]), endpoint=CHAT,
+                                 completion_window="24h")
+        assert wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 3)
+    with gateway(cfg, engines()) as second:  # the store is found at start-up: the batch goes on
+        c = client(second)
+        done = finished(c, batch.id)
+        ids = [r["custom_id"] for r in rows(c, done.output_file_id)]
+        assert done.status == "completed" and sorted(ids) == sorted(f"req-{i}" for i in range(30))
+
+
+def test_keys_see_only_their_own(server: LiveServer) -> None:
+    a, b = client(server), client(server, "sk-bravo")
+    fid = upload(a, [line(0)])
+    batch = a.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h")
+    for call in (lambda: b.files.retrieve(fid), lambda: b.files.content(fid), lambda: b.files.delete(fid),
+                 lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert b.batches.list().data == [] and b.files.list().data == []
+    done = finished(a, batch.id)
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(done.output_file_id)
+
+
+def test_a_batch_runs_as_its_key(server: LiveServer) -> None:
+    narrow = client(server, "sk-narrow")
+    done = finished(narrow, narrow.batches.create(input_file_id=upload(narrow, [line(0, "other")]), endpoint=CHAT,
+                                                  completion_window="24h").id)
+    assert done.status == "failed" and done.errors.data[0].code == "model_not_found"
+    assert "other" not in (done.errors.data[0].message or "").split("Available models:")[1]
+    broke = client(server, "sk-broke")  # 200 tokens: a few lines, then the budget stops the batch cleanly
+    done = finished(broke, broke.batches.create(input_file_id=upload(broke, [line(i) for i in range(40)]),
+                                                endpoint=CHAT, completion_window="24h").id)
+    assert done.status == "failed" and done.errors.data[0].code == "budget_exceeded"
+    ran, unrun = rows(broke, done.output_file_id), rows(broke, done.error_file_id)
+    assert ran and len(ran) + len(unrun) == 40 and {r["error"]["code"] for r in unrun} == {"budget_exceeded"}
+
+
+GOOD = json.dumps(line(0))
+MALFORMED = [  # (file lines, the line named, the error code)
+    ([GOOD, "{not json"], 2, "invalid_json_line"),
+    ([GOOD, "[1, 2]"], 2, "invalid_request"),
+    ([{**line(1), "custom_id": None}], 1, "missing_custom_id"),
+    ([GOOD, json.dumps(line(0))], 2, "duplicate_custom_id"),
+    ([{**line(1), "method": "GET"}], 1, "invalid_method"),
+    ([GOOD, GOOD.replace("req-0", "req-1").replace(CHAT, "/v1/embeddings")], 2, "mismatched_url"),
+    ([{**line(1), "body": "hello"}], 1, "invalid_request"),
+    ([GOOD, line(1, "nosuch")], 2, "model_not_found"),
+    ([line(1, stream=True)], 1, "invalid_request"),
+    ([{**line(1), "body": {"model": "fake"}}], 1, "invalid_request"),  # no messages
+    ([GOOD, {**line(1), "extra": 1}], 2, "invalid_request"),
+    ([line(1, temperature="hot")], 1, "invalid_request"),
+]
+
+
+@pytest.mark.parametrize("lines, bad, code", MALFORMED)
+def test_malformed_input_fails_the_batch_naming_the_line(server: LiveServer, lines: list[Any], bad: int,
+                                                         code: str) -> None:
+    c = client(server)
+    done = finished(c, c.batches.create(input_file_id=upload(c, lines), endpoint=CHAT, completion_window="24h").id)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    (error,) = done.errors.data
+    assert (error.line, error.code) == (bad, code) and f"Line {bad}" in (error.message or "")
+
+
+def test_requests_the_api_refuses(server: LiveServer, tmp_path: Path) -> None:
+    c = client(server)
+    fid = upload(c, [line(0)])
+    for kwargs, status in (({"endpoint": "/v1/moderations"}, openai.BadRequestError),
+                           ({"completion_window": "forever"}, openai.BadRequestError),
+                           ({"completion_window": "30d"}, openai.BadRequestError),
+                           ({"input_file_id": "file-nosuch"}, openai.NotFoundError)):
+        with pytest.raises(status):
+            c.batches.create(**{"input_file_id": fid, "endpoint": CHAT, "completion_window": "24h", **kwargs})
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    empty = finished(c, c.batches.create(input_file_id=upload(c, []), endpoint=CHAT, completion_window="24h").id)
+    assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
+    out = finished(c, c.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h").id).output_file_id
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        c.batches.create(input_file_id=out, endpoint=CHAT, completion_window="24h")
+    with gateway(config(tmp_path / "small", max_file_bytes=1024), engines()) as small:
+        with pytest.raises(openai.APIStatusError) as big:
+            client(small).files.create(file=("big.jsonl", io.BytesIO(b"x" * 4096)), purpose="batch")
+        assert big.value.status_code == 413
+    with gateway(config(tmp_path / "lines", max_lines=3), engines()) as few:
+        c = client(few)
+        done = finished(c, c.batches.create(input_file_id=upload(c, [line(i) for i in range(4)]), endpoint=CHAT,
+                                            completion_window="24h").id)
+        assert done.status == "failed" and done.errors.data[0].code == "too_many_requests"
+
+
+def test_the_batch_api_can_be_off(tmp_path: Path) -> None:
+    cfg = config(tmp_path, enabled=False)
+    with gateway(cfg, engines()) as srv:
+        with pytest.raises(openai.NotFoundError, match="off"):
+            client(srv).batches.list()
+    assert not (tmp_path / "batches").exists()
