@@ -109,6 +109,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.online:add_arguments",
         config=False,
     ),
+    ("batch",): Command(
+        "OpenAI's Batch API from the shell: submit a JSONL of requests, follow it, download the answers",
+        "chorus.clients.batch:main",
+        "chorus.clients.batch:add_arguments",
+        config=False,
+    ),
     ("eval",): Command(
         "accuracy of models and ensembles on a JSONL dataset, side by side",
         "chorus.clients.eval:main",

@@ -7,14 +7,23 @@ from __future__ import annotations
 import io
 import json
 import re
+import signal
+import subprocess
+import sys
+from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import yaml
 
+from chorus.clients.local import free_port, wait_ready
 from chorus.config import ChorusConfig
+from chorus.engines.core.base import queue_in
 from chorus.engines.fake.engine import FakeEngine
 from chorus.server.gateway.auth import hash_key
 from tests.helpers import LiveServer, gateway, wait_until
@@ -245,3 +254,94 @@ def test_the_batch_api_can_be_off(tmp_path: Path) -> None:
         with pytest.raises(openai.NotFoundError, match="off"):
             client(srv).batches.list()
     assert not (tmp_path / "batches").exists()
+
+
+# ---- as processes: kill -9 mid-batch, and two processes on one store ----
+
+@contextmanager
+def serving(tmp: Path, n: int = 1) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` chorus serve processes on one batch store (slow fakes: 0.01 s a token); their URLs in ``.url``."""
+    cfg = tmp / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"server": {"batches": {"dir": str(tmp / "store"), "poll_s": 0.05,
+                                                          "concurrency": 2}},
+                                   "models": [{"name": "slow", "engine": "fake", "fake": {"delay": 0.01}}]}))
+    procs = []
+    for _ in range(n):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
+                                 "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+        procs.append(proc)
+    try:
+        for p in procs:
+            wait_ready(p.url + "/health", p, timeout=120, interval=0.1)  # type: ignore[attr-defined]
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(60)
+
+
+def sdk(proc: subprocess.Popen[bytes]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)  # type: ignore[attr-defined]
+
+
+def lines_done(proc: subprocess.Popen[bytes]) -> float:
+    text = httpx.get(proc.url + "/metrics").text  # type: ignore[attr-defined]
+    return sum(float(x.split()[-1]) for x in text.splitlines()
+               if x.startswith('chorus_batch_lines_total{outcome="completed"'))
+
+
+def test_kill_9_mid_batch_then_restart_answers_every_line_exactly_once(tmp_path: Path) -> None:
+    with serving(tmp_path) as (proc,):
+        c = sdk(proc)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(40)]), endpoint=CHAT,
+                                 completion_window="24h")
+        assert wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 5, timeout=60)
+        proc.kill()  # SIGKILL: no shutdown, its two lines in flight still claimed
+        proc.wait(10)
+    with serving(tmp_path) as (again,):
+        c = sdk(again)
+        done = finished(c, batch.id, timeout=120)
+        ids = [r["custom_id"] for r in rows(c, done.output_file_id)]
+        assert done.status == "completed" and done.request_counts.completed == 40
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(40))  # each once: none lost, none twice
+
+
+def test_two_processes_share_a_batch_each_line_once(tmp_path: Path) -> None:
+    with serving(tmp_path, 2) as (one, two):
+        c = sdk(one)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(40)]), endpoint=CHAT,
+                                 completion_window="24h")
+        done = finished(sdk(two), batch.id, timeout=120)  # the same store: either process answers for it
+        ids = [r["custom_id"] for r in rows(c, done.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(40))
+        assert lines_done(one) > 0 and lines_done(two) > 0 and lines_done(one) + lines_done(two) == 40
+
+
+def test_the_batch_command_submits_follows_and_downloads(server: LiveServer, tmp_path: Path) -> None:
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(json.dumps(line(i)) + "\n" for i in range(5)))
+    run = subprocess.run([sys.executable, "-m", "chorus", "batch", "--url", server.url, "--api-key", "sk-alpha", "run",
+                          str(src), "--metadata", "job=cli"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    batch_id = run.stdout.strip()
+    out = [json.loads(x) for x in (tmp_path / "requests.out.jsonl").read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in out) == [f"req-{i}" for i in range(5)]
+    status = subprocess.run([sys.executable, "-m", "chorus", "batch", "--url", server.url, "--api-key", "sk-bravo",
+                             "status", batch_id], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 1 and "404" in status.stderr  # another key's batch
+
+
+@pytest.mark.parametrize("queued, new, background, expected", [
+    ("LLbb", "N", False, "LLNbb"),  # live: ahead of the first batch prompt waiting
+    ("LLbb", "n", True, "LLbbn"),  # batch: at the end
+    ("bLb", "N", False, "NbLb"),
+    ("", "N", False, "N"),
+])
+def test_engines_queue_live_prompts_ahead_of_batch_work(queued: str, new: str, background: bool,
+                                                        expected: str) -> None:
+    q = deque(queued)
+    queue_in(q, new, background, str.islower)
+    assert "".join(q) == expected

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -301,6 +302,24 @@ CACHE_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus
 #: a conversation key (the request's ``user``): a remote model's ``session`` routing keeps one key on one replica;
 #: set by the route for everything the request runs
 AFFINITY: contextvars.ContextVar[str | None] = contextvars.ContextVar("chorus_affinity", default=None)
+
+
+#: the request is batch work (a Batch API line, server/batch/runner.py): set by the gateway's front door for the
+#: runner's own calls; an engine's scheduler queues its prompts behind every live one (`queue_in`)
+BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("chorus_background", default=False)
+
+_T = TypeVar("_T")
+
+
+def queue_in(queue: deque[_T], item: _T, background: bool, is_background: Callable[[_T], bool]) -> None:
+    """Put a prompt in an engine's prefill queue: background work at the end, live work ahead of the first
+    background work waiting (first come, first served within each)."""
+    if not background:
+        for i, queued in enumerate(queue):
+            if is_background(queued):
+                queue.insert(i, item)
+                return
+    queue.append(item)
 
 
 def prefix_salt() -> str | None:

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chorus.engines.core.base import cancelled, gather_ready
+from chorus.engines.core.base import cancelled, gather_ready, queue_in
 from chorus.engines.llama_cpp.prefix_cache import PrefixCache
 from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite, pick_driven
 from chorus.errors import EngineFailed, InvalidRequest
@@ -117,8 +117,8 @@ class LlamaRunner:
             self.batch = None
 
     def enqueue(self, session: LlamaSession, prefill: bool) -> None:
-        if prefill:
-            self.waiting.append(session)
+        if prefill:  # live prompts ahead of batch work's (`queue_in`)
+            queue_in(self.waiting, session, session.background, lambda s: s.background)
         self._wake.set()
         self._interrupt.set()
 

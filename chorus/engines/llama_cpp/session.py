@@ -10,7 +10,14 @@ from typing import Protocol
 
 import torch
 
-from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback, prefix_salt, request_scope
+from chorus.engines.core.base import (
+    BACKGROUND,
+    check_can_roll_back,
+    check_extend,
+    check_rollback,
+    prefix_salt,
+    request_scope,
+)
 from chorus.engines.core.picks import Pick, TokenPicker
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
@@ -90,6 +97,7 @@ class LlamaSession:
         self.cached = 0  # prompt tokens its prefill read from the prefix cache
         self.scheduled_ns: int | None = None  # when its prefill first entered a batch (the queue span's end)
         self.salt = prefix_salt()  # its tenant scope and cache_salt: prefixes are shared only under the same one
+        self.background = BACKGROUND.get()  # batch work: its prompt waits behind every live one
         # the request (else the task) that opened it: the sessions one request holds open without a sequence id
         # take their ids together (`LlamaRunner._take_ids`)
         self.owner = request_scope()

@@ -45,6 +45,7 @@ class PrefillJob:
     keep: bool = False  # the prefix cache wants a copy of the prompt's keys and values when done
     kept: Layers | None = None  # that copy, made on the forward thread
     salt: str | None = None  # the request's cache_salt: stored and looked up under it
+    background: bool = False  # batch work: queued behind every live prompt
 
     @property
     def cancelled(self) -> bool:

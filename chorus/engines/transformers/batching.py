@@ -28,12 +28,14 @@ from typing import Any, TypeVar
 import torch
 
 from chorus.engines.core.base import (
+    BACKGROUND,
     cancelled,
     check_can_roll_back,
     check_extend,
     check_rollback,
     gather_ready,
     prefix_salt,
+    queue_in,
 )
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
@@ -196,10 +198,11 @@ class BatchRunner:
             job.seed, job.done = (entry.layers, cached), cached
         job.keep = self.prefix.wants(ids, salt)
         job.salt = salt
+        job.background = BACKGROUND.get()
         for s in sessions:
             s.future = job.future
             s.cached = cached
-        self.prefills.append(job)
+        queue_in(self.prefills, job, job.background, lambda j: j.background)  # live prompts ahead of batch work
         self.wake()
         try:
             return await job.future

@@ -22,7 +22,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chorus.engines.core.base import CACHE_SCOPE, REQUEST_SCOPE
+from chorus.engines.core.base import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from chorus.server.gateway.auth import Principal
@@ -83,6 +83,8 @@ class Gateway:
                     admitted = True
                     # the prefix caches' tenant (server/gateway/tenancy.py): set here, before any route, from the key
                     CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
+                    if scope.get(BATCH_OWNER) is not None:  # a Batch API line: the engines queue it behind live work
+                        BACKGROUND.set(True)
                 except GatewayError as exc:
                     if isinstance(exc, RateLimited):  # the allow-list answers before the limits and the budget
                         exc = await self.unlisted(ctx.principal, path, receive) or exc
