@@ -102,7 +102,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         await services.feedback.start()
         unwatch = watch_engines(lambda: services.engines)
         if services.batches is not None:
-            services.batches.start(app)  # resumes the unfinished batches of an earlier run
+            await services.batches.start(app)  # resumes the unfinished batches of an earlier run
         try:
             yield
         finally:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +28,8 @@ from chorus.config import ChorusConfig
 from chorus.engines.core.base import queue_in
 from chorus.engines.fake.engine import FakeEngine
 from chorus.server.gateway.auth import hash_key
-from tests.helpers import LiveServer, gateway, wait_until
+from tests.helpers import LiveServer, gateway, require, wait_until
+from tests.unit.test_shared_state import Redis
 
 CHAT = "/v1/chat/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -259,14 +262,17 @@ def test_the_batch_api_can_be_off(tmp_path: Path) -> None:
 # ---- as processes: kill -9 mid-batch, and two processes on one store ----
 
 @contextmanager
-def serving(tmp: Path, n: int = 1) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``n`` chorus serve processes on one batch store (slow fakes: 0.01 s a token); their URLs in ``.url``."""
-    cfg = tmp / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({"server": {"batches": {"dir": str(tmp / "store"), "poll_s": 0.05,
-                                                          "concurrency": 2}},
-                                   "models": [{"name": "slow", "engine": "fake", "fake": {"delay": 0.01}}]}))
+def serving(tmp: Path, n: int = 1, redis: str | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` chorus serve processes on one batch store (slow fakes: 0.01 s a token); their URLs in ``.url``.
+    With ``redis``, the store is Redis and each process has a batch folder of its own (nothing shared on disk)."""
     procs = []
-    for _ in range(n):
+    for i in range(n):
+        cfg = tmp / f"serve-{i}.yaml"
+        state = {"state": {"store": redis}} if redis else {}
+        folder = tmp / (f"store-{i}" if redis else "store")
+        cfg.write_text(yaml.safe_dump({"server": {"batches": {"dir": str(folder), "poll_s": 0.05, "concurrency": 2},
+                                                  **state},
+                                       "models": [{"name": "slow", "engine": "fake", "fake": {"delay": 0.01}}]}))
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
                                  "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -345,3 +351,57 @@ def test_engines_queue_live_prompts_ahead_of_batch_work(queued: str, new: str, b
     q = deque(queued)
     queue_in(q, new, background, str.islower)
     assert "".join(q) == expected
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    require(shutil.which("redis-server") is not None, "needs redis-server (apt-get install redis-server)")
+    r = Redis(tmp_path_factory.mktemp("redis"))
+    r.start()
+    yield r.url
+    r.kill()
+
+
+def test_the_whole_cycle_on_redis(tmp_path: Path, redis_url: str) -> None:
+    cfg = config(tmp_path)
+    cfg.server.state.store = redis_url
+    cfg.server.state.key_prefix = f"t{time.monotonic_ns()}"
+    with gateway(cfg, engines()) as srv:
+        c, other = client(srv), client(srv, "sk-bravo")
+        fid = upload(c, [line(i) for i in range(8)] + [line(8, "fake", max_tokens=100_000)])
+        batch = c.batches.create(input_file_id=fid, endpoint=CHAT, completion_window="24h", metadata={"on": "redis"})
+        done = finished(c, batch.id)
+        assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (8, 1)
+        assert sorted(r["custom_id"] for r in rows(c, done.output_file_id)) == sorted(f"req-{i}" for i in range(8))
+        assert [r["custom_id"] for r in rows(c, done.error_file_id)] == ["req-8"]
+        assert c.files.content(fid).text.count("\n") == 9 and [b.id for b in c.batches.list()] == [batch.id]
+        with pytest.raises(openai.NotFoundError):
+            other.batches.retrieve(batch.id)
+        assert other.files.list().data == []
+        bad = finished(c, c.batches.create(input_file_id=upload(c, [GOOD, "{"]), endpoint=CHAT,
+                                           completion_window="24h").id)
+        assert bad.status == "failed" and bad.errors.data[0].line == 2
+        slow = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(40)]), endpoint=CHAT,
+                                completion_window="24h")
+        assert wait_until(lambda: c.batches.retrieve(slow.id).request_counts.completed >= 1)
+        c.batches.cancel(slow.id)
+        cancelled = finished(c, slow.id)
+        assert cancelled.status == "cancelled"
+        assert len(rows(c, cancelled.output_file_id)) + len(rows(c, cancelled.error_file_id)) == 40
+        assert c.files.delete(fid).deleted and fid not in [f.id for f in c.files.list()]
+
+
+def test_two_replicas_on_one_redis_share_a_batch_and_survive_a_kill_9(tmp_path: Path, redis_url: str) -> None:
+    with serving(tmp_path, 2, redis=redis_url) as (one, two):
+        c = sdk(one)
+        batch = c.batches.create(input_file_id=upload(c, [line(i, "slow") for i in range(60)]), endpoint=CHAT,
+                                 completion_window="24h")
+        assert wait_until(lambda: lines_done(one) >= 3 and lines_done(two) >= 3, timeout=60)  # both at work
+        one.kill()  # SIGKILL: its lines in flight stay claimed until it is back (or their lease ends)
+        one.wait(10)
+        before = lines_done(two)
+        with serving(tmp_path, 1, redis=redis_url) as (again,):
+            done = finished(sdk(two), batch.id, timeout=120)
+            ids = [r["custom_id"] for r in rows(sdk(again), done.output_file_id)]
+            assert done.status == "completed" and sorted(ids) == sorted(f"req-{i}" for i in range(60))
+            assert lines_done(two) > before

@@ -4,6 +4,7 @@ key sees only its own batches: another key's batch id is a 404 like an unknown o
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
@@ -57,20 +58,21 @@ async def create(body: BatchRequest, ctx: Ctx) -> Response:
             raise InvalidRequest("metadata keys are at most 64 characters and values at most 512.", param="metadata")
     seconds = window_seconds(ctx, body.completion_window)
     owner = ctx.owner or ""
-    found = batches.store.file(body.input_file_id, owner)
+    store = await batches.open()
+    found = await store.file(body.input_file_id, owner)
     if found is None:
         raise NotFound(f"No file with id {body.input_file_id!r}.", param="input_file_id")
     if found["purpose"] != "batch":
         raise InvalidRequest(f"The file {body.input_file_id} has purpose {found['purpose']!r}; a batch's input "
                              "must be uploaded with purpose \"batch\".", param="input_file_id")
-    row = batches.store.add_batch(owner, body.endpoint, body.input_file_id, body.completion_window, seconds,
-                                  body.metadata)
+    row = await store.add_batch(owner, body.endpoint, body.input_file_id, body.completion_window, seconds,
+                                body.metadata)
     batches.poke()
-    return json_response(batch_object(row, batches.store))
+    return json_response(await batch_object(row, store))
 
 
-def owned(ctx: Context, batch_id: str) -> dict[str, object]:
-    row = batches_of(ctx).store.batch(batch_id, ctx.owner or "")
+async def owned(ctx: Context, batch_id: str) -> dict[str, Any]:
+    row = await (await batches_of(ctx).open()).batch(batch_id, ctx.owner or "")
     if row is None:
         raise NotFound(f"No batch with id {batch_id!r}.", param="batch_id")
     return row
@@ -78,25 +80,26 @@ def owned(ctx: Context, batch_id: str) -> dict[str, object]:
 
 @router.get("/v1/batches/{batch_id}", response_model=None)
 async def retrieve(batch_id: str, ctx: Ctx) -> Response:
-    return json_response(batch_object(owned(ctx, batch_id), batches_of(ctx).store))
+    return json_response(await batch_object(await owned(ctx, batch_id), await batches_of(ctx).open()))
 
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=None)
 async def cancel(batch_id: str, ctx: Ctx) -> Response:
     batches = batches_of(ctx)
-    row = owned(ctx, batch_id)
+    store = await batches.open()
+    row = await owned(ctx, batch_id)
     if row["status"] not in ("cancelling", "cancelled"):
-        if not batches.store.move(batch_id, ("validating", "in_progress"), "cancelling"):
+        if not await store.move(batch_id, ("validating", "in_progress"), "cancelling"):
             raise InvalidRequest(f"The batch {batch_id} is {row['status']}: only a validating or in-progress batch "
                                  "can be cancelled.", param="batch_id", code="batch_not_cancellable")
         batches.poke()
-    return json_response(batch_object(owned(ctx, batch_id), batches.store))
+    return json_response(await batch_object(await owned(ctx, batch_id), store))
 
 
 @router.get("/v1/batches", response_model=None)
 async def list_batches(ctx: Ctx, after: str | None = None, limit: int = Query(default=20, ge=1, le=100)) -> Response:
-    batches = batches_of(ctx)
-    rows = batches.store.batches(ctx.owner or "", after, limit + 1)
-    data = [batch_object(r, batches.store) for r in rows[:limit]]
+    store = await batches_of(ctx).open()
+    rows = await store.batches(ctx.owner or "", after, limit + 1)
+    data = [await batch_object(r, store) for r in rows[:limit]]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})

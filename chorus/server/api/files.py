@@ -19,8 +19,8 @@ router = APIRouter()
 PURPOSES = ("batch",)  #: what may be uploaded (``batch_output`` files are written by batches only)
 
 
-def owned(ctx: Context, file_id: str) -> dict[str, object]:
-    row = batches_of(ctx).store.file(file_id, ctx.owner or "")
+async def owned(ctx: Context, file_id: str) -> dict[str, object]:
+    row = await (await batches_of(ctx).open()).file(file_id, ctx.owner or "")
     if row is None:
         raise NotFound(f"No file with id {file_id!r}.", param="file_id")
     return row
@@ -38,14 +38,15 @@ async def upload(ctx: Ctx, file: UploadFile, purpose: str = Form()) -> Response:
         raise RequestTooLarge(f"The file is over this server's limit of {limit} bytes "
                               "(server.batches.max_file_bytes).", param="file")
     name = (file.filename or "upload.jsonl")[:255]
-    return json_response(file_object(batches.store.add_file(ctx.owner or "", purpose, name, data)))
+    store = await batches.open()
+    return json_response(file_object(await store.add_file(ctx.owner or "", purpose, name, data)))
 
 
 @router.get("/v1/files", response_model=None)
 async def list_files(ctx: Ctx, purpose: str | None = None, after: str | None = None,
                      limit: int = Query(default=10_000, ge=1, le=10_000),
                      order: Literal["asc", "desc"] = "desc") -> Response:
-    rows = batches_of(ctx).store.files(ctx.owner or "", purpose, after, limit + 1, order)
+    rows = await (await batches_of(ctx).open()).files(ctx.owner or "", purpose, after, limit + 1, order)
     data = [file_object(r) for r in rows[:limit]]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
@@ -53,18 +54,22 @@ async def list_files(ctx: Ctx, purpose: str | None = None, after: str | None = N
 
 @router.get("/v1/files/{file_id}", response_model=None)
 async def retrieve(file_id: str, ctx: Ctx) -> Response:
-    return json_response(file_object(owned(ctx, file_id)))
+    return json_response(file_object(await owned(ctx, file_id)))
 
 
 @router.get("/v1/files/{file_id}/content", response_model=None)
 async def content(file_id: str, ctx: Ctx) -> Response:
-    row = owned(ctx, file_id)
-    return FileResponse(batches_of(ctx).store.path(file_id), media_type="application/jsonl",
-                        filename=str(row["filename"]))
+    row = await owned(ctx, file_id)
+    store = await batches_of(ctx).open()
+    path = store.local_path(file_id)
+    if path is not None:  # on this node's disk: streamed as it is
+        return FileResponse(path, media_type="application/jsonl", filename=str(row["filename"]))
+    return Response(await store.read(file_id), media_type="application/jsonl",
+                    headers={"content-disposition": f'attachment; filename="{row["filename"]}"'})
 
 
 @router.delete("/v1/files/{file_id}", response_model=None)
 async def delete(file_id: str, ctx: Ctx) -> Response:
-    if not batches_of(ctx).store.delete_file(file_id, ctx.owner or ""):
+    if not await (await batches_of(ctx).open()).delete_file(file_id, ctx.owner or ""):
         raise NotFound(f"No file with id {file_id!r}.", param="file_id")
     return json_response({"id": file_id, "object": "file", "deleted": True})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from chorus.server.batch.store import Store
+from chorus.server.batch.runner import AnyStore
 
 TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
          "cancelling_at", "cancelled_at")
@@ -17,11 +17,11 @@ def file_object(row: dict[str, Any]) -> dict[str, Any]:
             "expires_at": None}
 
 
-def batch_object(row: dict[str, Any], store: Store) -> dict[str, Any]:
+async def batch_object(row: dict[str, Any], store: AnyStore) -> dict[str, Any]:
     if row["completed"] is not None:  # finished: counted when its files were written (its lines are gone)
         completed, failed = row["completed"], row["failed"]
     else:
-        counts = store.counts(row["id"])
+        counts = await store.counts(row["id"])
         completed, failed = counts["completed"], counts["failed"]
     return {"id": row["id"], "object": "batch", "endpoint": row["endpoint"],
             "errors": json.loads(row["errors"]) if row["errors"] else None, "input_file_id": row["input_file_id"],

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from prometheus_client import Counter, Gauge
 from starlette.types import ASGIApp, Message
@@ -32,11 +32,15 @@ from starlette.types import ASGIApp, Message
 from chorus.config import BatchesSection
 from chorus.errors import NotFound
 from chorus.server.batch.store import DB, Line, Store, new_id, this_process
+
+if TYPE_CHECKING:
+    from chorus.server.batch.redis_store import RedisStore
 from chorus.server.batch.validate import read_lines
 from chorus.server.gateway.context import BATCH_OWNER, Context
 from chorus.server.gateway.services import Services
 
 log = logging.getLogger("chorus.batch")
+AnyStore: TypeAlias = "Store | RedisStore"
 LINES = Counter("chorus_batch_lines_total", "Batch lines answered, by outcome", ["outcome"])
 IN_FLIGHT = Gauge("chorus_batch_lines_in_flight", "Batch lines being answered by this process")
 BATCHES = Gauge("chorus_batches", "Batches by status, as this process last saw them", ["status"])
@@ -51,25 +55,29 @@ class Batches:
         self.options = options
         self.services = services
         self.app: ASGIApp | None = None
-        self._store: Store | None = None
+        self._store: AnyStore | None = None
+        state = services.config.server.state.store
+        #: with a Redis state store the batches are shared by every replica (redis_store.py); else SQLite on this node
+        self.redis_url = state if state != "memory" else None
         self.runner: Runner | None = None
 
-    def start(self, app: ASGIApp) -> None:
+    async def start(self, app: ASGIApp) -> None:
         self.app = app
-        if (self.root / DB).exists():
-            self.open()
+        if self.redis_url is not None or (self.root / DB).exists():
+            await self.open()
 
-    def open(self) -> Store:
+    async def open(self) -> AnyStore:
         if self._store is None:
-            self._store = Store(self.root)
+            if self.redis_url is not None:
+                from chorus.server.batch.redis_store import RedisStore
+
+                self._store = RedisStore(self.redis_url, self.services.config.server.state.key_prefix)
+            else:
+                self._store = Store(self.root)
             if self.app is not None:
                 self.runner = Runner(self.app, self.services, self._store, self.options)
-                self.runner.start()
+                await self.runner.start()
         return self._store
-
-    @property
-    def store(self) -> Store:
-        return self.open()
 
     def poke(self) -> None:
         """Work was added: look now rather than at the next poll."""
@@ -80,7 +88,7 @@ class Batches:
         if self.runner is not None:
             await self.runner.stop()
         if self._store is not None:
-            self._store.close()
+            await self._store.close()
 
 
 def batches_of(ctx: Context) -> Batches:
@@ -92,7 +100,7 @@ def batches_of(ctx: Context) -> Batches:
 
 
 class Runner:
-    def __init__(self, app: ASGIApp, services: Services, store: Store, options: BatchesSection) -> None:
+    def __init__(self, app: ASGIApp, services: Services, store: AnyStore, options: BatchesSection) -> None:
         self.app = app
         self.services = services
         self.store = store
@@ -103,8 +111,8 @@ class Runner:
         self.wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        released = self.store.release_dead(self.me)
+    async def start(self) -> None:
+        released = await self.store.release_dead(self.me)
         if released:
             log.info("batch lines of a stopped process given back: %d", released)
         self._loop = asyncio.create_task(self.loop())
@@ -123,7 +131,7 @@ class Runner:
     async def loop(self) -> None:
         while True:
             try:
-                self.tick()
+                await self.tick()
             except Exception:
                 log.exception("batch runner step failed")
             with contextlib.suppress(TimeoutError):
@@ -132,8 +140,8 @@ class Runner:
 
     # ---- one pass over the open batches ----
 
-    def tick(self) -> None:
-        opened = self.store.open_batches()
+    async def tick(self) -> None:
+        opened = await self.store.open_batches()
         seen: dict[str, int] = {}
         for b in opened:
             seen[b["status"]] = seen.get(b["status"], 0) + 1
@@ -143,40 +151,40 @@ class Runner:
         for b in opened:
             status, bid = b["status"], b["id"]
             if status == "validating":
-                if self.store.claim_batch(bid, "validating", self.me, self.options.lease_s):
-                    self.validate(b)
+                if await self.store.claim_batch(bid, "validating", self.me, self.options.lease_s):
+                    await self.validate(b)
             elif status == "in_progress":
-                counts = self.store.counts(bid)
+                counts = await self.store.counts(bid)
                 if counts["running"] == 0 and (counts["pending"] == 0 or now >= b["expires_at"]):
-                    self.store.move(bid, ("in_progress",), "finalizing")
+                    await self.store.move(bid, ("in_progress",), "finalizing")
                     self.wake.set()
             elif status == "cancelling":
                 self.cancel_mine(bid)
-                if self.store.counts(bid)["running"] == 0 and \
-                        self.store.claim_batch(bid, "cancelling", self.me, self.options.lease_s):
-                    self.finalize(b)
-            elif status == "finalizing" and self.store.claim_batch(bid, "finalizing", self.me, self.options.lease_s):
-                self.finalize(b)
-        self.claim([b for b in opened if b["status"] == "in_progress" and now < b["expires_at"]
+                if (await self.store.counts(bid))["running"] == 0 and \
+                        await self.store.claim_batch(bid, "cancelling", self.me, self.options.lease_s):
+                    await self.finalize(b)
+            elif status == "finalizing" and await self.store.claim_batch(bid, "finalizing", self.me,
+                                                                          self.options.lease_s):
+                await self.finalize(b)
+        await self.claim([b for b in opened if b["status"] == "in_progress" and now < b["expires_at"]
                     and self.not_before.get(b["id"], 0.0) <= time.monotonic()])
 
-    def validate(self, b: dict[str, Any]) -> None:
+    async def validate(self, b: dict[str, Any]) -> None:
         owner = b["owner"]
-        path = self.store.path(b["input_file_id"])
-        if self.store.file(b["input_file_id"], owner) is None or not path.exists():
-            self.fail(b, [{"code": "invalid_file", "message": f"The input file {b['input_file_id']} was deleted "
+        if await self.store.file(b["input_file_id"], owner) is None:
+            await self.fail(b, [{"code": "invalid_file", "message": f"The input file {b['input_file_id']} was deleted "
                            "before the batch started.", "param": "input_file_id", "line": None}])
             return
-        lines, errors = read_lines(path.read_bytes(), b["endpoint"], self.usable(owner), self.options.max_lines)
+        lines, errors = read_lines(await self.store.read(b["input_file_id"]), b["endpoint"], self.usable(owner), self.options.max_lines)
         if errors:
-            self.fail(b, [e.as_dict() for e in errors])
+            await self.fail(b, [e.as_dict() for e in errors])
             return
-        self.store.add_lines(b["id"], lines)
-        self.store.move(b["id"], ("validating",), "in_progress")
+        await self.store.add_lines(b["id"], lines)
+        await self.store.move(b["id"], ("validating",), "in_progress")
         log.info("batch %s: %d lines in progress", b["id"], len(lines))
 
-    def fail(self, b: dict[str, Any], errors: list[dict[str, Any]]) -> None:
-        self.store.move(b["id"], ("validating",), "failed", errors={"object": "list", "data": errors})
+    async def fail(self, b: dict[str, Any], errors: list[dict[str, Any]]) -> None:
+        await self.store.move(b["id"], ("validating",), "failed", errors={"object": "list", "data": errors})
         log.info("batch %s failed validation: %s", b["id"], errors[0]["message"])
 
     def usable(self, owner: str) -> list[str]:
@@ -189,14 +197,14 @@ class Runner:
 
     # ---- lines ----
 
-    def claim(self, batches: list[dict[str, Any]]) -> None:
+    async def claim(self, batches: list[dict[str, Any]]) -> None:
         """Fill this process's free slots with lines, a fair share from each batch in turn."""
         while batches and len(self.tasks) < self.options.concurrency:
             free = self.options.concurrency - len(self.tasks)
             share = max(1, free // len(batches))
             still = []
             for b in batches:
-                got = self.store.claim(b["id"], self.me, min(share, self.options.concurrency - len(self.tasks)),
+                got = await self.store.claim(b["id"], self.me, min(share, self.options.concurrency - len(self.tasks)),
                                        self.options.lease_s)
                 for line in got:
                     task = asyncio.create_task(self.run_line(b, line))
@@ -224,7 +232,7 @@ class Runner:
         try:
             status, body = await call(self.app, b["endpoint"], line.body, rid, b["owner"])
         except asyncio.CancelledError:
-            self.store.unclaim(b["id"], line.idx, self.me)  # cancelled or stopping: not answered, not lost
+            await asyncio.shield(self.store.unclaim(b["id"], line.idx, self.me))  # cancelled or stopping: run again
             raise
         except Exception as exc:  # a bug: the line is failed, never retried forever
             log.exception("batch %s line %d", b["id"], line.idx)
@@ -233,28 +241,28 @@ class Runner:
         error = body.get("error") if isinstance(body, dict) else None
         code = error.get("code") if isinstance(error, dict) else None
         if status in (429, 503) and code != "budget_exceeded":  # load: try again when told
-            self.store.unclaim(b["id"], line.idx, self.me)
+            await self.store.unclaim(b["id"], line.idx, self.me)
             self.not_before[b["id"]] = time.monotonic() + retry_after(body, status)
             LINES.labels("retried").inc()
             return
         if code == "budget_exceeded" and isinstance(error, dict):  # the key's budget stops the batch; not run
-            self.store.unclaim(b["id"], line.idx, self.me)
+            await self.store.unclaim(b["id"], line.idx, self.me)
             errors = {"object": "list", "data": [{"code": "budget_exceeded", "message": error["message"],
                                                   "param": None, "line": None}]}
-            if self.store.move(b["id"], ("in_progress",), "cancelling", errors=errors):
+            if await self.store.move(b["id"], ("in_progress",), "cancelling", errors=errors):
                 log.info("batch %s stopped: %s", b["id"], error["message"])
             LINES.labels("budget_exceeded").inc()
             return
-        kept = self.store.answer(b["id"], line.idx, self.me, status,
+        kept = await self.store.answer(b["id"], line.idx, self.me, status,
                                  {"id": rid, "status_code": status, "request_id": rid, "body": body})
         LINES.labels("completed" if 200 <= status < 300 else "failed" if kept else "dropped").inc()
 
     # ---- the end ----
 
-    def finalize(self, b: dict[str, Any]) -> None:
+    async def finalize(self, b: dict[str, Any]) -> None:
         """Write the output and error files, then the batch's last status."""
         bid = b["id"]
-        fresh = self.store.batch(bid)
+        fresh = await self.store.batch(bid)
         assert fresh is not None
         errors = json.loads(fresh["errors"]) if fresh["errors"] else None
         if fresh["status"] == "cancelling":
@@ -264,7 +272,7 @@ class Runner:
         unrun_code = (errors["data"][0]["code"] if errors else "batch_cancelled") if final != "completed" else ""
         out: list[dict[str, Any]] = []
         err: list[dict[str, Any]] = []
-        for custom_id, status, result in self.store.results(bid):
+        async for custom_id, status, result in self.store.results(bid):
             if result is None:
                 if not unrun_code:
                     final, unrun_code = "expired", "batch_expired"
@@ -282,11 +290,11 @@ class Runner:
         for kind, rows in (("output", out), ("error", err)):
             if rows:
                 data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-                files[f"{kind}_file_id"] = self.store.add_file(b["owner"], "batch_output", f"{bid}_{kind}.jsonl",
-                                                               data)["id"]
+                files[f"{kind}_file_id"] = (await self.store.add_file(b["owner"], "batch_output",
+                                                                     f"{bid}_{kind}.jsonl", data))["id"]
         ran_badly = sum(1 for r in err if r["response"] is not None)
-        if self.store.move(bid, (fresh["status"],), final, completed=len(out), failed=ran_badly, **files):
-            self.store.drop_lines(bid)
+        if await self.store.move(bid, (fresh["status"],), final, completed=len(out), failed=ran_badly, **files):
+            await self.store.drop_lines(bid)
             log.info("batch %s %s: %d answered, %d errors", bid, final, len(out), len(err))
 
 

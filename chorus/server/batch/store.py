@@ -6,7 +6,8 @@ processes never run the same line, and a line whose process died is claimed agai
 once, when the process that holds it is known dead: same host, its pid gone). An answer is kept only by the
 process that holds the line's claim, so each line has exactly one answer.
 
-Every call is short and local (an index lookup, a few rows written); the runner calls them from the event loop.
+Every call is short and local (an index lookup, a few rows written), so the methods, async to match the Redis
+store's (redis_store.py, several nodes), run on the event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ class Line:
 
 
 class Store:
+    """The embedded store: SQLite and a folder of files on this node (``dir``); the Redis store
+    (redis_store.py) has the same methods."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         (root / "files").mkdir(parents=True, exist_ok=True)
@@ -72,8 +76,15 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.db.close()
+
+    async def read(self, file_id: str) -> bytes:
+        return self.path(file_id).read_bytes()
+
+    def local_path(self, file_id: str) -> Path | None:
+        """The file on this node's disk (served as it is), or None where files live elsewhere."""
+        return self.path(file_id)
 
     def write(self) -> sqlite3.Connection:
         """A write transaction (SQLite's lock taken at once, so a claim's read and write are one step)."""
@@ -85,7 +96,7 @@ class Store:
     def path(self, file_id: str) -> Path:
         return self.root / "files" / file_id
 
-    def add_file(self, owner: str, purpose: str, filename: str, data: bytes) -> dict[str, Any]:
+    async def add_file(self, owner: str, purpose: str, filename: str, data: bytes) -> dict[str, Any]:
         fid = new_id("file-")
         tmp = self.path(fid).with_suffix(".part")
         tmp.write_bytes(data)
@@ -95,11 +106,11 @@ class Store:
         self.db.execute("INSERT INTO files VALUES (:id, :owner, :purpose, :filename, :bytes, :created_at)", row)
         return row
 
-    def file(self, file_id: str, owner: str) -> dict[str, Any] | None:
+    async def file(self, file_id: str, owner: str) -> dict[str, Any] | None:
         row = self.db.execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
         return dict(row) if row is not None else None
 
-    def files(self, owner: str, purpose: str | None, after: str | None, limit: int, order: str) -> list[dict[str, Any]]:
+    async def files(self, owner: str, purpose: str | None, after: str | None, limit: int, order: str) -> list[dict[str, Any]]:
         sql, args = "SELECT * FROM files WHERE owner = ?", [owner]
         if purpose is not None:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
@@ -109,7 +120,7 @@ class Store:
         rows = self.db.execute(f"{sql} ORDER BY rowid {order} LIMIT ?", (*args, limit)).fetchall()
         return [dict(r) for r in rows]
 
-    def delete_file(self, file_id: str, owner: str) -> bool:
+    async def delete_file(self, file_id: str, owner: str) -> bool:
         gone = self.db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
         if gone:
             self.path(file_id).unlink(missing_ok=True)
@@ -117,7 +128,7 @@ class Store:
 
     # ---- batches ----
 
-    def add_batch(self, owner: str, endpoint: str, input_file_id: str, window: str, window_s: float,
+    async def add_batch(self, owner: str, endpoint: str, input_file_id: str, window: str, window_s: float,
                   metadata: dict[str, str] | None) -> dict[str, Any]:
         now = int(time.time())
         bid = new_id("batch_")
@@ -126,29 +137,29 @@ class Store:
             "expires_at, metadata) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
             (bid, owner, endpoint, input_file_id, window, now, int(now + window_s),
              json.dumps(metadata) if metadata is not None else None))
-        found = self.batch(bid, owner)
+        found = await self.batch(bid, owner)
         assert found is not None
         return found
 
-    def batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+    async def batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         """A batch (None: no such batch, or another owner's)."""
         row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if row is None or (owner is not None and row["owner"] != owner):
             return None
         return dict(row)
 
-    def batches(self, owner: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+    async def batches(self, owner: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         sql, args = "SELECT * FROM batches WHERE owner = ?", [owner]
         if after is not None:
             sql += " AND rowid < (SELECT rowid FROM batches WHERE id = ?)"
             args.append(after)
         return [dict(r) for r in self.db.execute(f"{sql} ORDER BY rowid DESC LIMIT ?", (*args, limit)).fetchall()]
 
-    def open_batches(self) -> list[dict[str, Any]]:
+    async def open_batches(self) -> list[dict[str, Any]]:
         marks = ",".join("?" * len(OPEN))
         return [dict(r) for r in self.db.execute(f"SELECT * FROM batches WHERE status IN ({marks})", OPEN)]
 
-    def move(self, batch_id: str, from_: tuple[str, ...], to: str, **fields: Any) -> bool:
+    async def move(self, batch_id: str, from_: tuple[str, ...], to: str, **fields: Any) -> bool:
         """Set the batch's status to ``to`` (and ``fields``) if it is in one of ``from_``: True if it moved."""
         now = int(time.time())
         stamp = {f"{to}_at": now} if to not in ("validating",) else {}
@@ -160,7 +171,7 @@ class Store:
                               (to, *values.values(), batch_id, *from_))
         return cur.rowcount > 0
 
-    def claim_batch(self, batch_id: str, status: str, claimer: str, lease_s: float) -> bool:
+    async def claim_batch(self, batch_id: str, status: str, claimer: str, lease_s: float) -> bool:
         """Hold a batch-wide step (validating it, writing its files) for ``lease_s``: True if this process got it."""
         now = time.time()
         cur = self.db.execute(
@@ -171,7 +182,7 @@ class Store:
 
     # ---- lines ----
 
-    def add_lines(self, batch_id: str, lines: list[Line]) -> None:
+    async def add_lines(self, batch_id: str, lines: list[Line]) -> None:
         db = self.write()
         try:
             db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body) VALUES (?, ?, ?, ?)",
@@ -182,7 +193,7 @@ class Store:
             db.execute("ROLLBACK")
             raise
 
-    def claim(self, batch_id: str, claimer: str, n: int, lease_s: float) -> list[Line]:
+    async def claim(self, batch_id: str, claimer: str, n: int, lease_s: float) -> list[Line]:
         """Up to ``n`` of the batch's lines not answered and not held (or held past their lease), now held by
         ``claimer``, in file order."""
         now = time.time()
@@ -199,7 +210,7 @@ class Store:
             raise
         return [Line(r["idx"], r["custom_id"], json.loads(r["body"])) for r in rows]
 
-    def answer(self, batch_id: str, idx: int, claimer: str, status_code: int, result: dict[str, Any]) -> bool:
+    async def answer(self, batch_id: str, idx: int, claimer: str, status_code: int, result: dict[str, Any]) -> bool:
         """Keep a line's answer, only if ``claimer`` still holds it (False: someone else does; this one is
         dropped)."""
         cur = self.db.execute(
@@ -208,12 +219,12 @@ class Store:
             (status_code, json.dumps(result), batch_id, idx, claimer))
         return cur.rowcount > 0
 
-    def unclaim(self, batch_id: str, idx: int, claimer: str) -> None:
+    async def unclaim(self, batch_id: str, idx: int, claimer: str) -> None:
         """Give a line back unanswered (to be run again: the server was busy, or is stopping)."""
         self.db.execute("UPDATE lines SET state = 'pending', claimed_by = NULL, lease_until = NULL WHERE "
                         "batch_id = ? AND idx = ? AND state = 'running' AND claimed_by = ?", (batch_id, idx, claimer))
 
-    def release_dead(self, me: str) -> int:
+    async def release_dead(self, me: str) -> int:
         """Lines held by a process of this host that is gone (killed: its leases would hold them for nothing), or
         by an earlier life of this very pid (a container's pid 1 restarted)."""
         host = socket.gethostname()
@@ -230,7 +241,7 @@ class Store:
             self.db.execute("UPDATE batches SET claimed_by = NULL, claim_until = NULL WHERE claimed_by = ?", (who,))
         return n
 
-    def counts(self, batch_id: str) -> dict[str, int]:
+    async def counts(self, batch_id: str) -> dict[str, int]:
         """Lines answered (``completed``: 2xx; ``failed``: an error answer) and not yet (``pending``, ``running``)."""
         out = {"completed": 0, "failed": 0, "pending": 0, "running": 0}
         for state, ok, n in self.db.execute(
@@ -240,13 +251,13 @@ class Store:
             out[key] += n
         return out
 
-    def results(self, batch_id: str) -> Iterator[tuple[str, int | None, dict[str, Any] | None]]:
+    async def results(self, batch_id: str) -> AsyncIterator[tuple[str, int | None, dict[str, Any] | None]]:
         """Every line in file order: custom_id, status code (None: not answered), the kept answer."""
         for r in self.db.execute("SELECT custom_id, status_code, result FROM lines WHERE batch_id = ? ORDER BY idx",
                                  (batch_id,)):
             yield r["custom_id"], r["status_code"], json.loads(r["result"]) if r["result"] else None
 
-    def drop_lines(self, batch_id: str) -> None:
+    async def drop_lines(self, batch_id: str) -> None:
         """A finished batch's lines (its answers now live in its output and error files)."""
         self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
 
