@@ -101,12 +101,16 @@ def systems_from(args: argparse.Namespace) -> list[System]:
     return out
 
 
-async def ask(http: httpx.AsyncClient, system: System, question: str, args: argparse.Namespace) -> dict[str, Any]:
+def request_body(system: System, question: str, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"model": system.model, "temperature": args.temperature, "max_tokens": args.max_tokens,
                             "messages": [{"role": "user", "content": f"{question}\n\n{args.instruction}"}]}
     if system.ensemble is not None:
         body["ensemble"] = system.ensemble
-    r = await http.post("/chat/completions", json=body)
+    return body
+
+
+async def ask(http: httpx.AsyncClient, system: System, question: str, args: argparse.Namespace) -> dict[str, Any]:
+    r = await http.post("/chat/completions", json=request_body(system, question, args))
     if r.status_code != 200:
         raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
     return r.json()
@@ -127,24 +131,71 @@ async def run_system(http: httpx.AsyncClient, system: System, data: list[tuple[s
                 print(f"  {system.label}: failed: {exc}", file=sys.stderr)
                 return
             tally.latencies.append(time.perf_counter() - t0)
-        tally.done += 1
-        usage = resp.get("usage") or {}
-        tally.prompt_tokens += usage.get("prompt_tokens", 0)
-        tally.completion_tokens += usage.get("completion_tokens", 0)
-        trace = resp.get("ensemble")
-        tally.calls += trace["usage"]["calls"] if trace else 1
-        chosen = ((trace or {}).get("winner") or {}).get("member") or system.model
-        tally.answered_by[chosen] = tally.answered_by.get(chosen, 0) + 1
-        if item.get("route") is not None:
-            tally.routed += 1
-            tally.routed_right += chosen == item["route"]
-        if answer is not None:
-            tally.graded += 1
-            got = extract_answer(resp["choices"][0]["message"]["content"] or "", args.answer)
-            tally.correct += got != "" and got == gold_answer(answer, args.answer)
+        record(tally, system, resp, answer, item, args)
 
     await asyncio.gather(*(one(q, a, item) for q, a, item in data))
     return tally
+
+
+def record(tally: Tally, system: System, resp: dict[str, Any], answer: Any, item: dict[str, Any],
+           args: argparse.Namespace) -> None:
+    """Count one answered question: tokens, calls, who answered, and whether the answer is right."""
+    tally.done += 1
+    usage = resp.get("usage") or {}
+    tally.prompt_tokens += usage.get("prompt_tokens", 0)
+    tally.completion_tokens += usage.get("completion_tokens", 0)
+    trace = resp.get("ensemble")
+    tally.calls += trace["usage"]["calls"] if trace else 1
+    chosen = ((trace or {}).get("winner") or {}).get("member") or system.model
+    tally.answered_by[chosen] = tally.answered_by.get(chosen, 0) + 1
+    if item.get("route") is not None:
+        tally.routed += 1
+        tally.routed_right += chosen == item["route"]
+    if answer is not None:
+        tally.graded += 1
+        got = extract_answer(resp["choices"][0]["message"]["content"] or "", args.answer)
+        tally.correct += got != "" and got == gold_answer(answer, args.answer)
+
+
+async def run_batch(http: httpx.AsyncClient, systems: list[System], data: list[tuple[str, Any, Any]],
+                    args: argparse.Namespace) -> list[Tally]:
+    """Every system's questions as one batch (the server's Batch API, /v1/files and /v1/batches): uploaded,
+    followed until it ends, its output and error files read back into the same tallies."""
+    lines = [json.dumps({"custom_id": f"{si}:{qi}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": request_body(s, q, args)})
+             for si, s in enumerate(systems) for qi, (q, _, _) in enumerate(data)]
+    up = await http.post("/files", files={"file": ("eval.jsonl", ("\n".join(lines) + "\n").encode())},
+                         data={"purpose": "batch"})
+    up.raise_for_status()
+    made = await http.post("/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h", "metadata": {"by": "chorus eval"}})
+    made.raise_for_status()
+    batch = made.json()
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+        await asyncio.sleep(1.0)
+        batch = (await http.get(f"/batches/{batch['id']}")).json()
+        counts = batch["request_counts"]
+        print(f"\r  batch {batch['id']}: {batch['status']}, {counts['completed'] + counts['failed']}/"
+              f"{counts['total'] or len(lines)}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    for reason in (batch.get("errors") or {}).get("data", []):
+        raise SystemExit(f"chorus eval: the batch failed: {reason['message']}")
+    tallies = [Tally() for _ in systems]
+    for key in ("output_file_id", "error_file_id"):
+        if not batch.get(key):
+            continue
+        text = (await http.get(f"/files/{batch[key]}/content")).text
+        for row in map(json.loads, text.splitlines()):
+            si, qi = map(int, row["custom_id"].split(":"))
+            response = row.get("response") or {}
+            if response.get("status_code") == 200:
+                _, answer, item = data[qi]
+                record(tallies[si], systems[si], response["body"], answer, item, args)
+            else:
+                tallies[si].failed += 1
+                why = (response.get("body") or {}).get("error") or row.get("error") or {}
+                print(f"  {systems[si].label}: failed: {why.get('message')}", file=sys.stderr)
+    return tallies
 
 
 def report(systems: list[System], tallies: list[Tally], n: int) -> str:
@@ -152,7 +203,7 @@ def report(systems: list[System], tallies: list[Tally], n: int) -> str:
               "route choice", "answered by"]
     rows = []
     for s, t in zip(systems, tallies):
-        lat = t.latencies or [0.0]
+        lat = t.latencies or [float("nan")]
         acc = f"{t.correct / t.graded:.3f} ({t.correct}/{t.graded})" if t.graded else "-"
         route = f"{t.routed_right / t.routed:.3f} ({t.routed_right}/{t.routed})" if t.routed else "-"
         by = ", ".join(f"{k} {v}" for k, v in sorted(t.answered_by.items(), key=lambda kv: -kv[1]))
@@ -209,12 +260,18 @@ async def _run(args: argparse.Namespace) -> str:
             for s in systems:
                 if s.ensemble is None and s.model in named:
                     s.ensemble = {"trace": True}  # a named ensemble: its trace tells the member calls
-            tallies = []
-            for s in systems:
-                print(f"{s.label}: {len(data)} questions ...", file=sys.stderr, flush=True)
-                tallies.append(await run_system(http, s, data, args))
-    return (f"{len(data)} questions from {args.data}; temperature {args.temperature}, max_tokens {args.max_tokens}\n"
-            + report(systems, tallies, len(data)))
+            t0 = time.perf_counter()
+            if args.batch:
+                print(f"{len(systems)} systems x {len(data)} questions as one batch ...", file=sys.stderr, flush=True)
+                tallies = await run_batch(http, systems, data, args)
+            else:
+                tallies = []
+                for s in systems:
+                    print(f"{s.label}: {len(data)} questions ...", file=sys.stderr, flush=True)
+                    tallies.append(await run_system(http, s, data, args))
+    how = f"one batch, {time.perf_counter() - t0:.0f} s in all" if args.batch else "live requests"
+    return (f"{len(data)} questions from {args.data}; temperature {args.temperature}, max_tokens {args.max_tokens}; "
+            f"{how}\n" + report(systems, tallies, len(data)))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -234,6 +291,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4, help="questions in flight per system")
+    p.add_argument("--batch", action="store_true", help="send every system's questions as one batch through the "
+                   "server's Batch API (no per-question latency then)")
     p.add_argument("--url", help="a running server's /v1 URL (default: start one for the run)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")

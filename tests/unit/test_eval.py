@@ -33,7 +33,8 @@ def test_bad_data_is_reported(tmp_path: Path) -> None:
         load_data(bad, None)
 
 
-def test_eval_compares_models_and_ensembles(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batch", [False, True], ids=["live", "one-batch"])
+def test_eval_compares_models_and_ensembles(tmp_path: Path, batch: bool) -> None:
     data = tmp_path / "three.jsonl"
     janet = {"question": "Janet's ducks lay 16 eggs per day ...?", "answer": "She makes 9 * 2 = $18.\n#### 18"}
     other = {"question": "How many?", "answer": "#### 5"}
@@ -44,8 +45,9 @@ def test_eval_compares_models_and_ensembles(tmp_path: Path) -> None:
                       "max_rounds": 2})
     out = subprocess.run(
         [sys.executable, "-m", "chorus", "eval", "--config", str(cfg), "--data", str(data), "--model", "right",
-         "--model", "wrong", "--model", "vote", "--ensemble", ens, "--max-tokens", "64"],
+         "--model", "wrong", "--model", "vote", "--ensemble", ens, "--max-tokens", "64", *(["--batch"] * batch)],
         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert ("one batch" in out) == batch  # the same table either way
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "accuracy" not in line}
     assert rows["right"][:2] == ["0.667 (2/3)", "3/3"] and rows["right"][4] == "1.0" and rows["right"][8] == "right 3"
