@@ -405,3 +405,22 @@ def test_two_replicas_on_one_redis_share_a_batch_and_survive_a_kill_9(tmp_path: 
             ids = [r["custom_id"] for r in rows(sdk(again), done.output_file_id)]
             assert done.status == "completed" and sorted(ids) == sorted(f"req-{i}" for i in range(60))
             assert lines_done(two) > before
+
+
+def test_responses_lines_and_a_key_at_its_concurrency_limit(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg.auth.keys[0].max_concurrent = 1  # alpha: one request at a time; the batch runs 4 lines at once
+    with gateway(cfg, engines()) as srv:
+        c = client(srv)
+        retried = lambda: sum(float(x.split()[-1]) for x in httpx.get(srv.url + "/metrics").text.splitlines()  # noqa: E731
+                              if x.startswith('chorus_batch_lines_total{outcome="retried"}'))
+        before = retried()
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": "fake", "input": f"item {i}", "max_output_tokens": 16, "temperature": 0}}
+                 for i in range(6)]
+        done = finished(c, c.batches.create(input_file_id=upload(c, lines), endpoint="/v1/responses",
+                                            completion_window="24h").id, timeout=60)
+        assert done.status == "completed" and done.request_counts.completed == 6  # refused lines waited, then ran
+        out = {r["custom_id"]: r["response"]["body"] for r in rows(c, done.output_file_id)}
+        assert out["r3"]["object"] == "response" and out["r3"]["output"][0]["content"][0]["text"] == "re:item 3"
+        assert retried() > before  # 429s for the key's concurrency, each tried again after its Retry-After
