@@ -4,7 +4,9 @@ round trip, and the packaged embedder."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 
 import numpy as np
 import openai
@@ -59,3 +61,30 @@ def test_the_default_embedder(sdk: openai.OpenAI) -> None:
                               input=["The capital of France is Paris.", "Paris is France's capital.", "I like tea."])
     v = np.array([d.embedding for d in r.data])
     assert v.shape == (3, 384) and v[0] @ v[1] > v[0] @ v[2]
+
+
+def test_embeddings_and_responses_as_one_batch_each(sdk: openai.OpenAI) -> None:
+    """The Batch API on the real default server: an embeddings batch gives the live vectors, a Responses batch the
+    live answer (greedy)."""
+    texts = ["The capital of France is Paris.", "Paris is France's capital.", "I like tea."]
+    for endpoint, bodies in (
+            ("/v1/embeddings", [{"model": "all-minilm-l6-v2", "input": t} for t in texts]),
+            ("/v1/responses", [{"model": SMOL, "input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}])):
+        data = "".join(json.dumps({"custom_id": f"x{i}", "method": "POST", "url": endpoint, "body": b}) + "\n"
+                       for i, b in enumerate(bodies))
+        fid = sdk.files.create(file=("in.jsonl", io.BytesIO(data.encode())), purpose="batch").id
+        batch = sdk.batches.create(input_file_id=fid, endpoint=endpoint, completion_window="1h")  # type: ignore[arg-type]
+        deadline = time.monotonic() + 120
+        while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            batch = sdk.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.output_file_id, batch
+        out = {r["custom_id"]: r["response"]["body"]
+               for r in map(json.loads, sdk.files.content(batch.output_file_id).text.splitlines())}
+        if endpoint == "/v1/embeddings":
+            live = sdk.embeddings.create(model="all-minilm-l6-v2", input=texts)
+            for i, d in enumerate(live.data):
+                assert np.allclose(out[f"x{i}"]["data"][0]["embedding"], d.embedding, atol=1e-5)
+        else:
+            live_text = sdk.responses.create(**bodies[0]).output_text  # type: ignore[arg-type]
+            assert out["x0"]["output"][0]["content"][0]["text"] == live_text
