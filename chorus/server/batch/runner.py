@@ -112,10 +112,14 @@ class Runner:
         self._loop: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        self._loop = asyncio.create_task(self.loop())
+
+    async def give_back_dead(self) -> None:
+        """Lines held by processes of this host that are gone go back to the queue (at the loop's first pass, so
+        a store out of reach at start-up, Redis down, delays this rather than the server's start)."""
         released = await self.store.release_dead(self.me)
         if released:
             log.info("batch lines of a stopped process given back: %d", released)
-        self._loop = asyncio.create_task(self.loop())
 
     async def stop(self) -> None:
         """Stop claiming; lines in flight are given back (another process, or this one restarted, runs them)."""
@@ -129,13 +133,25 @@ class Runner:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def loop(self) -> None:
+        dead_given_back, failures = False, 0
         while True:
             try:
+                if not dead_given_back:
+                    await self.give_back_dead()
+                    dead_given_back = True
                 await self.tick()
-            except Exception:
-                log.exception("batch runner step failed")
+                if failures:
+                    log.info("batch runner working again after %d failed passes", failures)
+                failures = 0
+            except Exception as exc:  # the store out of reach (Redis down), or a bug: logged, tried again later
+                failures += 1
+                if failures == 1:
+                    log.exception("batch runner step failed; trying again with backoff")
+                elif failures % 20 == 0:
+                    log.warning("batch runner still failing (%d passes): %s", failures, exc)
+            wait = self.options.poll_s * min(2 ** failures, 60)  # failing: backing off to a minute or so
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.options.poll_s)
+                await asyncio.wait_for(self.wake.wait(), wait)
             self.wake.clear()
 
     # ---- one pass over the open batches ----
