@@ -15,8 +15,9 @@ import pytest
 from tests.helpers import LiveServer, gateway
 
 HERE = Path(__file__).parent
-#: the Batch API's store of any app a test starts without its own ``server.batches.dir`` (and of the servers
-#: tests start as processes): never the user's $CHORUS_HOME/batches, whose batches a test's fakes would run
+#: the Batch API's store of servers tests start as processes without a ``server.batches.dir``: never the user's
+#: $CHORUS_HOME/batches, whose batches a test's fakes would run (in-process apps get one each: helpers.gateway;
+#: a test whose process uses the Batch API gives it its own)
 os.environ["CHORUS_BATCH_DIR"] = tempfile.mkdtemp(prefix="chorus-test-batches-")
 FOLDER_MARKS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -64,6 +65,9 @@ def gateway(config: ChorusConfig | dict[str, Any], engines: dict[str, Engine] | 
     """A live gateway: ``create_app(config, engines=..., **app_options)`` behind uvicorn, stopped on exit.
     ``engines``: prebuilt engines by model name (the others are loaded from the config)."""
     cfg = config if isinstance(config, ChorusConfig) else ChorusConfig.model_validate(config)
+    if cfg.server.batches.dir is None:  # a Batch API store of its own: apps sharing one would run each other's lines
+        cfg = cfg.model_copy(deep=True)
+        cfg.server.batches.dir = tempfile.mkdtemp(prefix="chorus-test-batches-")
     kwargs = {"engines": dict(engines)} if engines is not None else {}
     srv = LiveServer(create_app(cfg, **kwargs, **app_options)).start(timeout=timeout)
     try:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from chorus.config import Limits
-from chorus.engines.core.base import AFFINITY, CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
+from chorus.engines.core.base import AFFINITY, BACKGROUND, CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
 from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.ensembles.base import Ensemble
 from chorus.ensembles.spec import EnsembleSpec
@@ -81,6 +81,8 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
         tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
     CACHE_SALT.set(getattr(body, "cache_salt", None))
     AFFINITY.set(getattr(body, "user", None))  # a conversation key, for a remote model's session routing
+    if getattr(body, "priority", 0) > 0:  # batch work sent by a gateway (remote.batch_priority): behind live prompts
+        BACKGROUND.set(True)
     ensemble = find_ensemble(ctx, body)
     if ensemble is not None:
         if use == "embed":

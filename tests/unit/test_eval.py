@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def test_eval_compares_models_and_ensembles(tmp_path: Path, batch: bool) -> None
     out = subprocess.run(
         [sys.executable, "-m", "chorus", "eval", "--config", str(cfg), "--data", str(data), "--model", "right",
          "--model", "wrong", "--model", "vote", "--ensemble", ens, "--max-tokens", "64", *(["--batch"] * batch)],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "CHORUS_BATCH_DIR": str(tmp_path / "batches")}).stdout  # its server's own store
     assert ("one batch" in out) == batch  # the same table either way
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "accuracy" not in line}

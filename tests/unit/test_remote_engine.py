@@ -7,11 +7,12 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.core.base import Constraint, GenerationRequest, SamplingParams
+from chorus.engines.core.base import BACKGROUND, Constraint, GenerationRequest, SamplingParams
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.fake.engine import CharTokenizer, FakeEngine
 from chorus.engines.remote.engine import RemoteEngine
@@ -160,3 +161,36 @@ async def test_a_constraint_travels_to_the_upstream_server(upstream: LiveServer,
         assert check(g.choices[0].text), g.choices[0].text  # type: ignore[operator]
         streamed = "".join([d.text async for d in e.stream(r)])
         assert check(streamed), streamed  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("batch_priority", [1, None])
+def test_batch_lines_reach_the_workers_as_batch_work(tmp_path: Path, batch_priority: int | None) -> None:
+    """A Batch API line on a gateway's remote model goes to the worker with ``priority`` (remote.batch_priority),
+    and the worker queues it as batch work; live requests go without it."""
+    import io
+
+    import openai
+
+    marked = FakeEngine("w", reply=lambda prompt: "batch" if BACKGROUND.get() else "live")
+    with gateway(ChorusConfig.model_validate({"models": [{"name": "w", "engine": "fake"}]}), {"w": marked}) as w:
+        cfg = ChorusConfig.model_validate({
+            "server": {"batches": {"dir": str(tmp_path), "poll_s": 0.05}},
+            "models": [{"name": "r", "engine": "remote", "max_model_len": 256, "remote": {
+                "replicas": [w.url + "/v1"], "model": "w", "tokenizer": "unused", "batch_priority": batch_priority}}]})
+        with gateway(cfg, engines={"r": RemoteEngine(cfg.models[0], CharTokenizer())}) as gw:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            ask = {"model": "r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+            assert c.chat.completions.create(**ask).choices[0].message.content == "live"  # type: ignore[call-overload]
+            line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": ask})
+            fid = c.files.create(file=("in.jsonl", io.BytesIO(line.encode())), purpose="batch").id
+            batch = c.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="1h")
+            deadline = time.monotonic() + 30
+            while batch.status != "completed" and time.monotonic() < deadline:
+                time.sleep(0.05)
+                batch = c.batches.retrieve(batch.id)
+            out = json.loads(c.files.content(batch.output_file_id).text)  # type: ignore[arg-type]
+            assert out["response"]["body"]["choices"][0]["message"]["content"] == \
+                ("batch" if batch_priority else "live")
+        direct = openai.OpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="priority"):
+            direct.chat.completions.create(**{**ask, "model": "w"}, extra_body={"priority": -1})  # type: ignore[call-overload]

@@ -35,6 +35,7 @@ import torch
 from opentelemetry import propagate, trace
 
 from chorus.engines.core.base import (
+    BACKGROUND,
     LOGITS,
     STREAM,
     STRUCTURED,
@@ -273,6 +274,8 @@ class RemoteEngine:
     def _body(self, request: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         path, body = request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
                                   api=self.remote.api)
+        if self.remote.batch_priority is not None and BACKGROUND.get():
+            body["priority"] = self.remote.batch_priority  # batch work: behind the servers' live requests too
         return path, self.salted(body)
 
     def salted(self, body: dict[str, Any]) -> dict[str, Any]:

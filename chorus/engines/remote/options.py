@@ -53,6 +53,10 @@ class RemoteOptions(BaseModel):
     #: send the request's prefix scope (tenant and client salt) as ``cache_salt``: vLLM (>= 0.9) and chorus
     #: workers keep prefixes of different salts apart; turn it off only for a server that refuses the field
     cache_salt: bool = True
+    #: batch work (Batch API lines) is sent with this ``priority`` so the servers can run it behind live requests:
+    #: chorus workers queue any priority > 0 as batch work; vLLM needs ``--scheduling-policy priority`` (lower runs
+    #: first; live requests go with 0). None: not sent (a server that refuses the field)
+    batch_priority: int | None = Field(default=None, ge=1)
     #: which replica answers (routing.py): the fewest requests in flight (``least_outstanding``), the one most likely
     #: to hold the prompt's prefix in its cache (``prefix``), or one per conversation (``session``). The default
     #: stays least_outstanding: prefix was not measured better here (docs/benchmarks.md, chorus bench cluster)

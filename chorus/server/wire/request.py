@@ -60,6 +60,9 @@ class CompletionFields(FamilyFields):
         description="extension (as vLLM): a cached prompt prefix is reused only by requests with the same salt; "
                     "it narrows the key's own scope (keys never share prefixes unless server.prefix_cache.share "
                     "says so)")
+    priority: int = Field(default=0, ge=0, description="extension (as vLLM's field): 0 live (the default); above 0 "
+                          "batch work, which the engines queue behind every live prompt (a gateway's remote "
+                          "engine sends it with Batch API lines: remote.batch_priority)")
     ensemble: dict[str, Any] | None = Field(
         default=None, description="extension: run an ensemble strategy (ensembles/spec.py EnsembleSpec)")
     trace: bool = Field(default=False, description="extension: the model family's trace in the response "
