@@ -137,6 +137,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
     for router in ROUTERS:
         app.include_router(load(router))
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
-    app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes)
+    uploads = {"/v1/files": config.server.batches.max_file_bytes} if config.server.batches.enabled else {}
+    app.add_middleware(BodyLimit, max_bytes=config.server.limits.max_body_bytes, paths=uploads)
     app.add_middleware(Gateway, services=services)  # outermost: every request's context, key and limits
     return app

@@ -244,6 +244,15 @@ def test_requests_the_api_refuses(server: LiveServer, tmp_path: Path) -> None:
         with pytest.raises(openai.APIStatusError) as big:
             client(small).files.create(file=("big.jsonl", io.BytesIO(b"x" * 4096)), purpose="batch")
         assert big.value.status_code == 413
+    roomy = config(tmp_path / "roomy")
+    roomy.server.limits.max_body_bytes = 64 * 1024  # a request's limit: uploads have their own (max_file_bytes)
+    with gateway(roomy, engines()) as srv:
+        c = client(srv)
+        big = [json.dumps(line(i, "fake", user="x" * 2000)) for i in range(100)]  # ~220 KB
+        assert c.files.retrieve(upload(c, big)).bytes > 200_000
+        with pytest.raises(openai.APIStatusError) as too_big:  # and a chat request is still held to its own
+            c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x" * 70_000}])
+        assert too_big.value.status_code == 413
     with gateway(config(tmp_path / "lines", max_lines=3), engines()) as few:
         c = client(few)
         done = finished(c, c.batches.create(input_file_id=upload(c, [line(i) for i in range(4)]), endpoint=CHAT,
