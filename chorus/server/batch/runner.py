@@ -271,7 +271,7 @@ class Runner:
             return
         kept = await self.store.answer(b["id"], line.idx, self.me, status,
                                  {"id": rid, "status_code": status, "request_id": rid, "body": body})
-        LINES.labels("completed" if 200 <= status < 300 else "failed" if kept else "dropped").inc()
+        LINES.labels(("completed" if 200 <= status < 300 else "failed") if kept else "dropped").inc()
 
     # ---- the end ----
 
