@@ -82,9 +82,7 @@ def submit(client: Any, args: argparse.Namespace) -> int:
         return 2
     metadata = dict(m.partition("=")[::2] for m in args.metadata) or None
     with args.input.open("rb") as f:
-        uploaded = client.files.create(file=(args.input.name, f), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint_of(args.input),
-                                  completion_window=args.window, metadata=metadata)
+        batch = create(client, (args.input.name, f), endpoint_of(args.input), args.window, metadata)
     print(batch.id)
     if args.no_follow:
         return 0
@@ -98,6 +96,20 @@ def submit(client: Any, args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 130
     return download(client, batch, args.out or args.input.with_suffix(".out.jsonl"))
+
+
+def create(client: Any, file: tuple[str, Any], endpoint: str, window: str = "24h",
+           metadata: dict[str, str] | None = None) -> Any:
+    """Upload ``file`` (a name and its bytes or an open file) with purpose ``batch`` and create its batch."""
+    uploaded = client.files.create(file=file, purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window,
+                                 metadata=metadata)
+
+
+def rows(client: Any, batch: Any) -> list[dict[str, Any]]:
+    """A finished batch's output and error files, line by line (OpenAI's format: custom_id, response, error)."""
+    return [json.loads(line) for file_id in (batch.output_file_id, batch.error_file_id) if file_id
+            for line in client.files.content(file_id).text.splitlines()]
 
 
 def follow(client: Any, batch_id: str, every: float = 1.0) -> Any:

@@ -28,14 +28,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
 
 MODEL = "smol"
+T = TypeVar("T")
 TOPICS = ("rivers", "copper", "orchards", "glaciers", "falcons", "lanterns", "harbors", "meadows", "violets",
           "canyons", "willows", "marble", "saffron", "compasses", "beacons", "thunder")
 
@@ -126,6 +128,18 @@ async def run_clients(http: httpx.AsyncClient, lines: list[str], args: argparse.
     return time.perf_counter() - t0
 
 
+async def with_live(http: httpx.AsyncClient, args: argparse.Namespace, work: Awaitable[T]) -> tuple[list[float], T]:
+    """``work`` awaited while the live client runs: the live requests' TTFTs, and what ``work`` returned."""
+    ttft: list[float] = []
+    stop = asyncio.Event()
+    live = asyncio.create_task(live_client(http, args, stop, ttft))
+    try:
+        return ttft, await work
+    finally:
+        stop.set()
+        await live
+
+
 def q(xs: list[float], p: int) -> float:
     return statistics.quantiles(xs, n=10)[p // 10 - 1] if len(xs) >= 2 else float("nan")
 
@@ -134,27 +148,12 @@ async def bench(url: str, args: argparse.Namespace) -> str:
     lines = questions(args.lines, args.seed)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await http.post("/v1/chat/completions", json=body("Warm up.", 4))
-        alone: list[float] = []
-        stop = asyncio.Event()
-        live = asyncio.create_task(live_client(http, args, stop, alone))
-        await asyncio.sleep(args.seconds)
-        stop.set()
-        await live
+        alone, _ = await with_live(http, args, asyncio.sleep(args.seconds))
         print(f"live alone: {len(alone)} requests", file=sys.stderr)
-        beside: list[float] = []
-        stop = asyncio.Event()
-        live = asyncio.create_task(live_client(http, args, stop, beside))
-        batch_s = await run_batch(http, lines, args)
-        stop.set()
-        await live
+        beside, batch_s = await with_live(http, args, run_batch(http, lines, args))
         print(f"live + batch: {len(beside)} requests, batch {batch_s:.1f} s; TTFT (s, sorted): "
               f"{' '.join(f'{t:.3f}' for t in sorted(beside))}", file=sys.stderr)
-        crowd: list[float] = []
-        stop = asyncio.Event()
-        live = asyncio.create_task(live_client(http, args, stop, crowd))
-        clients_s = await run_clients(http, lines, args)
-        stop.set()
-        await live
+        crowd, clients_s = await with_live(http, args, run_clients(http, lines, args))
         print(f"live + {args.clients} clients: {len(crowd)} requests, {clients_s:.1f} s; TTFT (s, sorted): "
               f"{' '.join(f'{t:.3f}' for t in sorted(crowd))}", file=sys.stderr)
     rows = [["live alone", len(alone), f"{statistics.median(alone):.3f}", f"{q(alone, 90):.3f}", "-", "-"],

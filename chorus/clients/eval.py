@@ -157,44 +157,34 @@ def record(tally: Tally, system: System, resp: dict[str, Any], answer: Any, item
         tally.correct += got != "" and got == gold_answer(answer, args.answer)
 
 
-async def run_batch(http: httpx.AsyncClient, systems: list[System], data: list[tuple[str, Any, Any]],
-                    args: argparse.Namespace) -> list[Tally]:
-    """Every system's questions as one batch (the server's Batch API, /v1/files and /v1/batches): uploaded,
+def run_batch(url: str, systems: list[System], data: list[tuple[str, Any, Any]],
+              args: argparse.Namespace) -> list[Tally]:
+    """Every system's questions as one batch (the server's Batch API, through `chorus batch`'s steps): uploaded,
     followed until it ends, its output and error files read back into the same tallies."""
+    import openai
+
+    from chorus.clients import batch as batches
+
     lines = [json.dumps({"custom_id": f"{si}:{qi}", "method": "POST", "url": "/v1/chat/completions",
                          "body": request_body(s, q, args)})
              for si, s in enumerate(systems) for qi, (q, _, _) in enumerate(data)]
-    up = await http.post("/files", files={"file": ("eval.jsonl", ("\n".join(lines) + "\n").encode())},
-                         data={"purpose": "batch"})
-    up.raise_for_status()
-    made = await http.post("/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
-                                             "completion_window": "24h", "metadata": {"by": "chorus eval"}})
-    made.raise_for_status()
-    batch = made.json()
-    while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
-        await asyncio.sleep(1.0)
-        batch = (await http.get(f"/batches/{batch['id']}")).json()
-        counts = batch["request_counts"]
-        print(f"\r  batch {batch['id']}: {batch['status']}, {counts['completed'] + counts['failed']}/"
-              f"{counts['total'] or len(lines)}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    for reason in (batch.get("errors") or {}).get("data", []):
-        raise SystemExit(f"chorus eval: the batch failed: {reason['message']}")
+    client = openai.OpenAI(base_url=url, api_key=args.api_key, timeout=args.timeout)
+    made = batches.create(client, ("eval.jsonl", ("\n".join(lines) + "\n").encode()), "/v1/chat/completions",
+                          metadata={"by": "chorus eval"})
+    done = batches.follow(client, made.id)
+    for reason in (done.errors.data if done.errors else []):
+        raise SystemExit(f"chorus eval: the batch failed: {reason.message}")
     tallies = [Tally() for _ in systems]
-    for key in ("output_file_id", "error_file_id"):
-        if not batch.get(key):
-            continue
-        text = (await http.get(f"/files/{batch[key]}/content")).text
-        for row in map(json.loads, text.splitlines()):
-            si, qi = map(int, row["custom_id"].split(":"))
-            response = row.get("response") or {}
-            if response.get("status_code") == 200:
-                _, answer, item = data[qi]
-                record(tallies[si], systems[si], response["body"], answer, item, args)
-            else:
-                tallies[si].failed += 1
-                why = (response.get("body") or {}).get("error") or row.get("error") or {}
-                print(f"  {systems[si].label}: failed: {why.get('message')}", file=sys.stderr)
+    for row in batches.rows(client, done):
+        si, qi = map(int, row["custom_id"].split(":"))
+        response = row.get("response") or {}
+        if response.get("status_code") == 200:
+            _, answer, item = data[qi]
+            record(tallies[si], systems[si], response["body"], answer, item, args)
+        else:
+            tallies[si].failed += 1
+            why = (response.get("body") or {}).get("error") or row.get("error") or {}
+            print(f"  {systems[si].label}: failed: {why.get('message')}", file=sys.stderr)
     return tallies
 
 
@@ -263,7 +253,7 @@ async def _run(args: argparse.Namespace) -> str:
             t0 = time.perf_counter()
             if args.batch:
                 print(f"{len(systems)} systems x {len(data)} questions as one batch ...", file=sys.stderr, flush=True)
-                tallies = await run_batch(http, systems, data, args)
+                tallies = await asyncio.to_thread(run_batch, url, systems, data, args)
             else:
                 tallies = []
                 for s in systems:

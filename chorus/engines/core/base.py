@@ -347,6 +347,17 @@ class ServerLoad:
     kv_usage: float  #: share of the batch's KV capacity in use, 0..1 (prefix-cache entries, evictable, not counted)
 
 
+#: the inference gateway's model-server protocol, under vLLM's names (what endpoint pickers read out of the box) and
+#: chorus's own: (vLLM name, chorus name, help, the `ServerLoad` field). A worker's /metrics writes them
+#: (server/gateway/metrics.py); a remote model's pool reads them back (engines/remote/replicas.py)
+SERVER_LOAD = (
+    ("vllm:num_requests_waiting", "chorus_num_requests_waiting", "requests queued, not yet in the batch", "waiting"),
+    ("vllm:num_requests_running", "chorus_num_requests_running", "sequences in the batch", "running"),
+    ("vllm:kv_cache_usage_perc", "chorus_kv_cache_usage_perc", "share of the KV capacity in use (1 = full)", "kv_usage"),
+    ("vllm:gpu_cache_usage_perc", None, "share of the KV capacity in use (vLLM's older name)", "kv_usage"),
+)
+
+
 async def cancelled(task: asyncio.Task[Any] | None) -> None:
     """Cancel ``task`` (None: nothing) and wait until it has ended, its ``finally`` blocks run."""
     if task is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from chorus.engines.core.base import ServerLoad
+from chorus.engines.core.base import SERVER_LOAD, ServerLoad
 from chorus.engines.remote.routing import Ask, Policy, policy
 from chorus.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, RateLimited
 
@@ -91,26 +91,25 @@ class ReplicaPool:
                 "replicas_reporting_load": sum(r.reported is not None for r in self.replicas), **self.policy.stats()}
 
 
-#: the model-server protocol's gauges, in vLLM's names (chorus workers expose them too); ``gpu_cache_usage_perc`` is
-#: what vLLM called the KV gauge before 0.10
-WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-
-
 def reported_load(text: str, model: str) -> ServerLoad | None:
-    """A replica's load for ``model`` read from its Prometheus exposition (None: it exposes no request gauges).
-    Samples labelled with another ``model_name`` are not this model's; unlabelled ones are the server's."""
+    """A replica's load for ``model`` read from its Prometheus exposition: the model-server protocol's gauges under
+    vLLM's names (`SERVER_LOAD`; chorus workers expose them too), the first name of a field that is there (vLLM's
+    KV gauge had an older name). None: it exposes no request gauges. Samples labelled with another ``model_name``
+    are not this model's; unlabelled ones are the server's."""
+    names = {vllm for vllm, _, _, _ in SERVER_LOAD}
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name
-            if name not in (WAITING, RUNNING, *KV_USAGE) or sample.labels.get("model_name", model) != model:
-                continue
-            found[name] = found.get(name, 0.0) + sample.value
-    if WAITING not in found and RUNNING not in found:
+            if sample.name in names and sample.labels.get("model_name", model) == model:
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+
+    def first(field: str) -> float | None:
+        return next((found[n] for n, _, _, f in SERVER_LOAD if f == field and n in found), None)
+
+    waiting, running = first("waiting"), first("running")
+    if waiting is None and running is None:
         return None
-    kv = next((found[k] for k in KV_USAGE if k in found), 0.0)
-    return ServerLoad(int(found.get(WAITING, 0)), int(found.get(RUNNING, 0)), kv)
+    return ServerLoad(int(waiting or 0), int(running or 0), first("kv_usage") or 0.0)
 
 
 def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:

@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge
 from starlette.types import ASGIApp, Message
 
 from chorus.config import BatchesSection
+from chorus.engines.core.base import cancelled
 from chorus.errors import NotFound
 from chorus.server.batch.store import DB, Line, Store, new_id, this_process
 
@@ -123,10 +124,7 @@ class Runner:
 
     async def stop(self) -> None:
         """Stop claiming; lines in flight are given back (another process, or this one restarted, runs them)."""
-        if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+        await cancelled(self._loop)
         for task in list(self.tasks):
             task.cancel()
         if self.tasks:
@@ -311,6 +309,7 @@ class Runner:
         ran_badly = sum(1 for r in err if r["response"] is not None)
         if await self.store.move(bid, (fresh["status"],), final, completed=len(out), failed=ran_badly, **files):
             await self.store.drop_lines(bid)
+            self.not_before.pop(bid, None)
             log.info("batch %s %s: %d answered, %d errors", bid, final, len(out), len(err))
 
 

@@ -12,6 +12,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from chorus.engines.core.base import SERVER_LOAD
+
 REQUESTS = Counter("chorus_requests_total", "HTTP requests by route, model, strategy and status",
                    ["route", "model", "strategy", "status"])
 LATENCY = Histogram("chorus_request_seconds", "Request latency (until the last byte)", ["route"],
@@ -21,16 +23,6 @@ TTFT = Histogram("chorus_time_to_first_token_seconds", "Streaming: time to the f
 TOKENS = Counter("chorus_tokens_total", "Tokens in and out", ["model", "kind"])
 INFLIGHT = Gauge("chorus_inflight_requests", "Requests admitted and not yet finished (the queue depth)")
 REFUSED = Counter("chorus_refused_total", "Requests refused before any work, by reason", ["reason"])
-
-
-#: the inference gateway's model-server protocol, under vLLM's names (what endpoint pickers read out of the box) and
-#: chorus's own: (vLLM name, chorus name, help, the `ServerLoad` field)
-SERVER_LOAD = (
-    ("vllm:num_requests_waiting", "chorus_num_requests_waiting", "requests queued, not yet in the batch", "waiting"),
-    ("vllm:num_requests_running", "chorus_num_requests_running", "sequences in the batch", "running"),
-    ("vllm:kv_cache_usage_perc", "chorus_kv_cache_usage_perc", "share of the KV capacity in use (1 = full)", "kv_usage"),
-    ("vllm:gpu_cache_usage_perc", None, "share of the KV capacity in use (vLLM's older name)", "kv_usage"),
-)
 
 
 class EngineCollector(Collector):
