@@ -26,18 +26,23 @@ from typing import Any
 import numpy as np
 
 from chorus import stats as S
+from chorus.clients.eval_gsm8k import read
+from chorus.clients.eval_gsm8k_continue import continued_path, whole
 from chorus.ensembles.consistency_select import choose
 from chorus.ensembles.voting import Sample, Unfinished, agreement, from_answers, settled, tally
 from chorus.training.cascade import fit_thresholds, same
+from chorus.training.verifier import read_scores, row_samples
 
 
 @dataclass
 class Batch:
     answers: list[str]
-    tokens: float  # completion tokens of the batch
+    tokens: float  # completion tokens of the batch (whole answers: continued ones with their continuation)
     seconds: float  # what the row is charged: measured, or modeled from the tokens (`model_seconds`)
     measured: float = 0.0  # the request's wall time as cached
     finished: list[bool] = field(default_factory=list)  # per answer: ended on its own (False: cut at max_tokens)
+    drawn: float = 0.0  # the tokens the request drew (what ``measured`` is for; less than ``tokens`` if continued)
+    samples: list[Sample] = field(default_factory=list)  # the answers as samples (text, token numbers if scored)
 
 
 @dataclass
@@ -56,15 +61,23 @@ class Outcome:
     large: bool = False  # the larger model was asked
 
 
-def load(cache: Path, split: str, models: list[str]) -> dict[int, Item]:
+def load(cache: Path, split: str, models: list[str], budget: int | None = 768) -> dict[int, Item]:
+    """The cached items of ``split``; with ``budget``, every answer cut at the cache's cap made whole with its
+    continuation to that budget (`chorus eval gsm8k-continue`), and the token numbers of scored answers
+    (`chorus eval gsm8k-score`) on its samples."""
     items: dict[int, Item] = {}
     for m in models:
         path = cache / split / f"{m}.jsonl"
-        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+        rows = read(path)
+        scores = {}
+        if budget is not None:
+            rows = whole(rows, read(continued_path(cache, split, m)), budget)
+            scores = read_scores(cache, split, m, budget)
         for r in sorted(rows, key=lambda r: (r["item"], r["seed"] or -1)):
             it = items.setdefault(r["item"], Item(r["reference"]))
             b = Batch([c["answer"] for c in r["choices"]], sum(c["tokens"] for c in r["choices"]), r["seconds"],
-                      r["seconds"], [c.get("finish_reason", "stop") != "length" for c in r["choices"]])
+                      r["seconds"], [c.get("finish_reason", "stop") != "length" for c in r["choices"]],
+                      sum(c.get("drawn_tokens", c["tokens"]) for c in r["choices"]), row_samples(r, m, scores))
             if r["kind"] == "greedy":
                 it.greedy[m] = b
             else:
@@ -97,7 +110,7 @@ def model_seconds(quiet: dict[int, Item], every: list[dict[int, Item]], models: 
             if len(fit) < 3:
                 raise SystemExit(f"chorus bench answers: {len(fit)} quiet {kind} requests of {m} to fit seconds on; "
                                  "give --quiet-items or --seconds measured")
-            x = np.array([[1.0, b.tokens / len(b.answers)] for b in fit])
+            x = np.array([[1.0, (b.drawn or b.tokens) / len(b.answers)] for b in fit])
             y = np.array([b.measured for b in fit])
             coef = np.linalg.lstsq(x, y, rcond=None)[0]
             pred = x @ coef
@@ -124,7 +137,7 @@ def draw(it: Item, m: str, k: int, until: Callable[[list[Sample]], bool] | None 
     for b in it.samples[m]:
         if len(samples) >= k:
             break
-        samples += from_answers(b.answers, m, b.finished or None)
+        samples += b.samples or from_answers(b.answers, m, b.finished or None)
         tokens += b.tokens
         seconds += b.seconds
         if until is not None and until(samples):

@@ -88,6 +88,13 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.training.cascade:add_arguments",
         config=False,
     ),
+    ("train", "verifier"): Command(
+        "fit answer_vote's verifier (pick: verifier) on cached GSM8K train answers: agreement, confidence, "
+        "finished, length, member",
+        "chorus.training.verifier:main",
+        "chorus.training.verifier:add_arguments",
+        config=False,
+    ),
     ("train", "selector"): Command(
         "fit a selector ('select') and a prompt-only router ('route', router: learned) from labelled items "
         "answered through a running chorus (generative items: the router only)",
@@ -136,6 +143,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.eval_gsm8k_continue:add_arguments",
         config=False,
     ),
+    ("eval", "gsm8k-score"): Command(
+        "every cached GSM8K answer scored by its model (token log-probabilities, top-k confidence; resumable)",
+        "chorus.bench.gsm8k_score:main",
+        "chorus.bench.gsm8k_score:add_arguments",
+        config=False,
+    ),
     ("eval", "gsm8k"): Command(
         "GSM8K answers of served models (greedy and k samples), cached per item, for the answer-side evidence",
         "chorus.clients.eval_gsm8k:main",
@@ -182,6 +195,13 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "answer-side ensembles on GSM8K from cached answers: self-consistency, vote, selection, agreement cascade",
         "chorus.bench.answers:main",
         "chorus.bench.answers:add_arguments",
+        config=False,
+    ),
+    ("bench", "confidence"): Command(
+        "one model's GSM8K samples voted, filtered, weighed and picked by their own confidence and by a verifier "
+        "(cached, scored answers; choices on train)",
+        "chorus.bench.answers_confidence:main",
+        "chorus.bench.answers_confidence:add_arguments",
         config=False,
     ),
     ("bench", "samples"): Command(

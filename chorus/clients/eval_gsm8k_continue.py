@@ -35,6 +35,11 @@ def continued_path(root: Path, split: str, model: str) -> Path:
     return cache_path(root, split, model).with_suffix(".continued.jsonl")
 
 
+def scored_path(root: Path, split: str, model: str) -> Path:
+    """Where `chorus eval gsm8k-score` keeps the cached answers' token log-probabilities."""
+    return cache_path(root, split, model).with_suffix(".scored.jsonl")
+
+
 def cut_choices(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
     """(request row, choice index) of every choice that ended at the cap."""
     return [(r, c) for r in rows for c, ch in enumerate(r["choices"]) if ch["finish_reason"] == "length"]
@@ -44,8 +49,23 @@ def key(row: dict[str, Any], choice: int) -> tuple[int, str, int | None, int]:
     return (row["item"], row["kind"], row["seed"], choice)
 
 
+def post(client: httpx.Client, url: str, body: dict[str, Any], tries: int = 3) -> tuple[httpx.Response, float]:
+    """The response and its seconds; a 5xx or a dropped connection (a paused or restarted server) is tried again."""
+    for attempt in range(tries):
+        t0 = time.perf_counter()
+        try:
+            r = client.post(url, json=body)
+        except httpx.TransportError:
+            if attempt == tries - 1:
+                raise
+            continue
+        if r.status_code < 500 or attempt == tries - 1:
+            break
+    return r, time.perf_counter() - t0
+
+
 def continue_one(client: httpx.Client, url: str, model: str, question: str, row: dict[str, Any], choice: int,
-                 budget: int) -> dict[str, Any]:
+                 budget: int) -> dict[str, Any] | None:
     partial = row["choices"][choice]
     drawn = round(partial["tokens"])
     body: dict[str, Any] = {
@@ -57,17 +77,11 @@ def continue_one(client: httpx.Client, url: str, model: str, question: str, row:
         # a fresh stream for the rest of the sample (any seed draws a valid continuation; this one is reproducible)
         body["seed"] = (row["seed"] or SEED) + 500 + choice
         body["top_p"] = 1.0
-    for attempt in range(3):  # a 5xx or a dropped connection (a paused or restarted server) is tried again
-        t0 = time.perf_counter()
-        try:
-            r = client.post(url + "/v1/chat/completions", json=body)
-        except httpx.TransportError:
-            if attempt == 2:
-                raise
-            continue
-        seconds = time.perf_counter() - t0
-        if r.status_code < 500 or attempt == 2:
-            break
+    r, seconds = post(client, url + "/v1/chat/completions", body)
+    if r.status_code == 400:  # this choice cannot be continued as asked (e.g. the context is too short): said, skipped
+        print(f"item {row['item']} {row['kind']} choice {choice}: {r.json().get('error', {}).get('message')}",
+              file=sys.stderr, flush=True)
+        return None
     r.raise_for_status()
     reply = r.json()
     text = reply["choices"][0]["message"]["content"] or ""
@@ -75,6 +89,25 @@ def continue_one(client: httpx.Client, url: str, model: str, question: str, row:
             "drawn": drawn, "text": text, "finish_reason": reply["choices"][0]["finish_reason"],
             "tokens": reply["usage"]["completion_tokens"], "prompt_tokens": reply["usage"]["prompt_tokens"],
             "answer": extract_answer(partial["text"] + text, "number"), "seconds": seconds}
+
+
+def whole(rows: list[dict[str, Any]], continued: list[dict[str, Any]], budget: int = 768) -> list[dict[str, Any]]:
+    """The cache's rows with every choice continued to ``budget`` made whole: the partial text and its
+    continuation as one text, the whole answer's ``answer``, ``finish_reason`` and ``tokens``, and
+    ``drawn_tokens`` (what the row's request drew: its ``seconds`` are for those, as measured; the continuation's
+    ran beside others, so `chorus bench answers` charges the whole answer's tokens at the modeled rate). Choices
+    not continued are as drawn."""
+    more = {key(c, c["choice"]): c for c in continued if c["budget"] == budget}
+    out = []
+    for r in rows:
+        choices = []
+        for i, ch in enumerate(r["choices"]):
+            c = more.get(key(r, i))
+            choices.append(ch if c is None else {
+                **ch, "text": ch["text"] + c["text"], "finish_reason": c["finish_reason"], "answer": c["answer"],
+                "tokens": ch["tokens"] + c["tokens"], "drawn_tokens": ch["tokens"]})
+        out.append({**r, "choices": choices})
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,10 +131,12 @@ def main(args: argparse.Namespace) -> int:
                 ThreadPoolExecutor(args.concurrency) as pool:
             # written in the order of the cache (pool.map keeps it), one line as each comes
             def one(rc: tuple[dict[str, Any], int], model: str = model,
-                    questions: dict[int, str] = questions) -> dict[str, Any]:
+                    questions: dict[int, str] = questions) -> dict[str, Any] | None:
                 return continue_one(client, args.url, model, questions[rc[0]["item"]], rc[0], rc[1], args.budget)
 
             for got in pool.map(one, todo):
+                if got is None:
+                    continue
                 out.write(json.dumps(got) + "\n")
                 out.flush()
                 right = same_number(got["answer"], references[got["item"]])

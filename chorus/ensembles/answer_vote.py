@@ -16,6 +16,7 @@ tokens), the histogram, how many samples were drawn and why sampling stopped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
@@ -27,7 +28,11 @@ from chorus.ensembles.answer_types import AnswerCanon, detect_kind
 from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
+from chorus.ensembles.confidence import Tokens, token_confidence
+from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.selector_model import load_trained
 from chorus.ensembles.spec import member_weights
+from chorus.ensembles.verifier_model import ARTIFACT, Verifier
 from chorus.ensembles.voting import STOP_RULES, Sample, Tally, Unfinished, mean_logprob, ranked_samples, settled, tally
 from chorus.errors import InvalidRequest
 
@@ -70,14 +75,30 @@ class DrawParams(BaseModel):
 
 class AnswerVoteParams(DrawParams):
     weights: list[float] | None = Field(default=None, description="one per member: its samples' vote weight")
+    confidence_by: Literal["none", "mean_logprob", "mean_confidence", "lowest_window", "bottom_10", "tail"] = Field(
+        default="none", description="the confidence measure samples are filtered, weighed or picked by (reads the "
+        "members' token log-probabilities)")
+    keep: float = Field(default=1.0, gt=0.0, le=1.0, description="share of the most confident samples that vote")
+    weigh: Literal["none", "confidence", "verifier"] = Field(default="none", description=(
+        "each vote counts its sample's confidence, or the verifier's probability that it is right"))
+    pick: Literal["vote", "most_confident", "verifier"] = Field(default="vote", description=(
+        "the reply's answer: the vote's winner, the most confident sample's, or the verifier's best sample's"))
+    window: int = Field(default=64, ge=1, le=8192, description="tokens per window of lowest_window and bottom_10")
+    tail: int = Field(default=64, ge=1, le=8192, description="the last tokens the tail measure reads")
+    top_logprobs: int = Field(default=20, ge=1, le=20, description="k of the token confidence (top-k log-probs)")
+    verifier: str | None = Field(default=None, description="a verifier trained by `chorus train verifier`")
+
+    def rule(self) -> Rule:
+        return Rule(self.confidence_by, self.keep, self.weigh, self.pick, self.window, self.tail)
 
 
 class Drawer:
     """One request's sampling: the answer kind, the canonical answers, the samples drawn so far per member."""
 
-    def __init__(self, call: Call, p: DrawParams) -> None:
+    def __init__(self, call: Call, p: DrawParams, top_logprobs: int = 0) -> None:
         self.call = call
         self.p = p
+        self.top = top_logprobs  # > 0: read each token's top-k log-probabilities (the samples' confidence)
         question = call.prompt.question
         self.kind, self.rule = (detect_kind(question) if p.answer == "auto" else (p.answer, "given"))
         self.canon = AnswerCanon(self.kind, p.text_threshold)
@@ -93,7 +114,8 @@ class Drawer:
         have = len(self.samples.setdefault(m.label, []))
         # log-probabilities break ties; a member whose engine does not relay them (a remote worker) votes without
         # them (its samples tie-break as first seen) rather than failing the request
-        over: dict[str, Any] = {"n": count, "logprobs": getattr(m.engine, "relays_logprobs", True), "top_logprobs": 0}
+        over: dict[str, Any] = {"n": count, "logprobs": getattr(m.engine, "relays_logprobs", True),
+                                "top_logprobs": self.top}
         if m.spec.temperature is None and self.p.temperature is not None:
             over["temperature"] = self.p.temperature
         if self.seed is not None and m.spec.seed is None:
@@ -104,9 +126,15 @@ class Drawer:
         answers = [extract_answer(c.text, self.kind, self.pattern) for c in gen.choices]
         canon = await self.canon.canon(answers)
         new = [Sample(m.label, c.text, a, k, mean_logprob([t.logprob for t in c.logprobs or []]),
-                      len(c.token_ids), c.finish_reason) for c, a, k in zip(gen.choices, answers, canon)]
+                      len(c.token_ids), c.finish_reason, per_token=self.per_token(c.logprobs))
+               for c, a, k in zip(gen.choices, answers, canon)]
         self.samples[m.label].extend(new)
         return new
+
+    def per_token(self, logprobs: list[Any] | None) -> Tokens | None:
+        if not self.top or not logprobs:
+            return None
+        return Tokens([t.logprob for t in logprobs], [token_confidence([x.logprob for x in t.top]) for t in logprobs])
 
     def all(self) -> list[Sample]:
         return [s for ss in self.samples.values() for s in ss]
@@ -117,6 +145,36 @@ class Drawer:
              "tokens": s.tokens, "finish_reason": s.finish_reason, "text": s.text} for s in self.all()],
             "histogram": dict(t.ranked()), "drawn": t.drawn, "abstained": t.abstained, "stopped": stopped,
             **({"text_matches": self.canon.how} if self.kind == "text" else {})}
+
+
+def check_rule(p: AnswerVoteParams, models: list[str]) -> Verifier | None:
+    """The confidence rule's fields agree (each one set is used), and the verifier, if named, is loaded for these
+    models; every problem a 400 naming its field."""
+    by = p.confidence_by != "none"
+    uses_by = p.keep < 1 or p.weigh == "confidence" or p.pick == "most_confident"
+    uses_verifier = p.weigh == "verifier" or p.pick == "verifier"
+    if uses_by and not by:
+        what = "keep < 1" if p.keep < 1 else f"weigh: {p.weigh}" if p.weigh == "confidence" else f"pick: {p.pick}"
+        raise InvalidRequest(f"{what} needs a confidence measure: set confidence_by to one of mean_logprob, "
+                             "mean_confidence, lowest_window, bottom_10, tail.", param="ensemble.confidence_by")
+    if by and not uses_by:
+        raise InvalidRequest(f"confidence_by: {p.confidence_by} is read only by keep < 1, weigh: confidence or pick: "
+                             "most_confident; set one of them, or leave confidence_by out.",
+                             param="ensemble.confidence_by")
+    if uses_verifier and p.verifier is None:
+        raise InvalidRequest("weigh: verifier and pick: verifier need a verifier (a name trained by `chorus train "
+                             "verifier`).", param="ensemble.verifier")
+    if p.verifier is not None and not uses_verifier:
+        raise InvalidRequest("a verifier is read only by weigh: verifier or pick: verifier; set one of them, or "
+                             "leave verifier out.", param="ensemble.verifier")
+    if p.stop != "none" and not (p.keep == 1 and p.weigh == "none" and p.pick == "vote"):
+        raise InvalidRequest(f"stop: {p.stop} counts plain votes between batches; with keep, weigh or pick every "
+                             "sample is drawn first (stop: none).", param="ensemble.stop")
+    if p.verifier is None:
+        return None
+    trained: Verifier = load_trained(p.verifier, ARTIFACT, Verifier.load, models, "verifier",
+                                     param="ensemble.verifier", command="chorus train verifier")
+    return trained
 
 
 def check_stop(p: DrawParams) -> None:
@@ -144,6 +202,16 @@ class AnswerVote(Strategy):
         check_stop(p)
         w = member_weights(p.weights, len(self.members))
         self.weights = {m.label: x * len(w) for m, x in zip(self.members, w)}  # averaging 1
+        self.rule = p.rule()
+        self.model_names = list(dict.fromkeys(m.spec.model for m in self.members))
+        self.verifier = check_rule(p, self.model_names)
+        reads = p.confidence_by != "none" or (self.verifier is not None and self.verifier.confidence)
+        deaf = [m.label for m in self.members if not getattr(m.engine, "relays_logprobs", True)]
+        if reads and deaf:
+            raise InvalidRequest(f"confidence reads the samples' token log-probabilities, and member(s) "
+                                 f"{', '.join(deaf)} do not relay them (remote workers).",
+                                 param="ensemble.verifier" if p.confidence_by == "none" else "ensemble.confidence_by")
+        self.top = p.top_logprobs if reads else 0
 
     def budget(self) -> Budget:
         return Budget(candidates=self.params.samples * len(self.members))
@@ -156,7 +224,7 @@ class AnswerVote(Strategy):
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p: AnswerVoteParams = self.params
-        d = Drawer(call, p)
+        d = Drawer(call, p, self.top)
         alive = list(self.members)
         stopped = ""
         t = Tally()
@@ -173,14 +241,29 @@ class AnswerVote(Strategy):
             if alive and d.all() and call.over_budget("the next batch"):
                 stopped = call.stopped or ""
                 break
-        ranked = ranked_samples(d.all(), t)
+        if self.rule.plain:
+            ranked, answer = ranked_samples(d.all(), t), t.winner
+        else:
+            models = {m.label: m.spec.model for m in self.members}
+            dec = decide(d.all(), self.rule, self.weights, p.unfinished, self.verifier,
+                         [models[s.member] for s in d.all()])
+            t, ranked, answer = dec.tally, dec.ranked, dec.answer
         if not ranked:
             call.survivors([], self.members)  # every member failed: raises with their errors
         call.trace.update(d.trace(t, stopped))
-        call.trace.update({"winner": {"answer": t.winner, "member": ranked[0].member},
-                           "reason": (f"answer {t.winner!r} has {t.counts[t.winner]:g} of {t.votes} votes"
-                                      + (f" (tie broken by {t.tie_broken_by})" if t.tie_broken_by else "")
-                                      if t.winner else "no sample gave an extractable answer: the most likely "
-                                      "sample is returned")})
+        if not self.rule.plain:
+            call.trace["confidence"] = {"rule": dataclasses.asdict(self.rule), "by_sample": dec.confidence,
+                                        "voted": dec.voted, "verifier": dec.verified}
+        call.trace.update({"winner": {"answer": answer, "member": ranked[0].member},
+                           "reason": self.reason(t, answer)})
         for delta in choices(call, ranked):
             yield delta
+
+    def reason(self, t: Tally, answer: str) -> str:
+        if not answer:
+            return "no sample gave an extractable answer: the most likely sample is returned"
+        if self.rule.pick != "vote":
+            by = "most confident" if self.rule.pick == "most_confident" else "verifier's best"
+            return f"answer {answer!r} is the {by} sample's"
+        return (f"answer {answer!r} has {t.counts[answer]:g} of {t.votes} votes"
+                + (f" (tie broken by {t.tie_broken_by})" if t.tie_broken_by else ""))

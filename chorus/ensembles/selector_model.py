@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from chorus.errors import ConfigError, InvalidRequest
 NORMS = ("sum", "mean", "char")
 PER_MEMBER_CHOICE = ("p", "logp", "top", "rank")
 PER_MEMBER_ITEM = ("margin", "entropy")
+T = TypeVar("T")
 ARTIFACT = "selector.json"
 FORMAT = 1
 
@@ -97,11 +98,7 @@ class Selector:
 
     @classmethod
     def load(cls, where: str | Path) -> Selector:
-        path, raw = read_artifact(where, ARTIFACT, "select", FORMAT)
-        try:
-            sel = cls(**raw)
-        except TypeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
+        path, sel = load_artifact(cls, where, ARTIFACT, "select", FORMAT)
         expected = feature_names(sel.members)
         if sel.features != expected:
             unknown = sorted(set(sel.features) - set(expected))
@@ -123,7 +120,8 @@ def artifact_path(name: str, param: str = "ensemble.artifact") -> Path:
     root = selectors_dir().resolve()
     path = (root / name).resolve()
     if not path.is_relative_to(root):
-        raise InvalidRequest(f"'artifact' must name a selector inside {root} (got {name!r}).", param=param)
+        raise InvalidRequest(f"'{param.rsplit('.', 1)[-1]}' must name an artifact inside {root} (got {name!r}).",
+                             param=param)
     return path
 
 
@@ -149,23 +147,33 @@ def read_artifact(where: str | Path, file: str, kind: str, fmt: int) -> tuple[Pa
     return path, raw
 
 
+def load_artifact(cls: type[T], where: str | Path, file: str, kind: str, fmt: int) -> tuple[Path, T]:
+    """An artifact read (`read_artifact`) into its dataclass ``cls``; a field it lacks or does not know: an error."""
+    path, raw = read_artifact(where, file, kind, fmt)
+    try:
+        return path, cls(**raw)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
 @functools.lru_cache(maxsize=32)
 def _read(loader: Callable[[Path], Any], file: Path, mtime: float) -> Any:
     return loader(file)
 
 
-def load_trained(name: str, file_name: str, loader: Callable[[Path], Any], members: list[str], what: str) -> Any:
-    """A trained artifact (``selector.json``, ``router.json``) for an ensemble with these ``members`` (model names,
-    in order): read once per file version, every problem a 400 naming the field."""
-    path = artifact_path(name)
+def load_trained(name: str, file_name: str, loader: Callable[[Path], Any], members: list[str], what: str,
+                 param: str = "ensemble.artifact", command: str = "chorus train selector") -> Any:
+    """A trained artifact (``selector.json``, ``router.json``, ``verifier.json``) for an ensemble with these
+    ``members`` (model names, in order): read once per file version, every problem a 400 naming the field."""
+    path = artifact_path(name, param)
     file = path / file_name if path.is_dir() else path
     if not file.is_file():
-        raise InvalidRequest(f"No {what} artifact {name!r} in {selectors_dir()} (train one with `chorus train "
-                             "selector`).", param="ensemble.artifact")
+        raise InvalidRequest(f"No {what} artifact {name!r} in {selectors_dir()} (train one with `{command}`).",
+                             param=param)
     try:
         trained = _read(loader, file, file.stat().st_mtime)
     except ConfigError as exc:
-        raise InvalidRequest(str(exc), param="ensemble.artifact") from None
+        raise InvalidRequest(str(exc), param=param) from None
     if members != trained.members:
         raise InvalidRequest(f"The {what} {name!r} was trained on members {trained.members}; this ensemble has "
                              f"{members} (same models, same order).", param="ensemble.members")

@@ -32,6 +32,8 @@ from typing import Literal
 
 from scipy import stats
 
+from chorus.ensembles.confidence import Tokens
+
 StopRule = Literal["none", "majority", "beta"]
 STOP_RULES: tuple[str, ...] = ("none", "majority", "beta")
 Unfinished = Literal["abstain", "vote"]
@@ -46,6 +48,8 @@ class Sample:
     mean_logprob: float | None = None
     tokens: int = 0
     finish_reason: str = "stop"
+    per_token: Tokens | None = None  # its tokens' log-probabilities and confidences (`confidence`), when read
+    weight: float = 1.0  # its vote's weight on top of its member's (a confidence or a verifier's score)
 
     def __post_init__(self) -> None:
         if not self.canonical:
@@ -99,7 +103,7 @@ def tally(samples: Sequence[Sample], weights: dict[str, float] | None = None,
             t.abstained += 1
             continue
         t.votes += 1
-        t.counts[s.canonical] = t.counts.get(s.canonical, 0.0) + (weights or {}).get(s.member, 1.0)
+        t.counts[s.canonical] = t.counts.get(s.canonical, 0.0) + (weights or {}).get(s.member, 1.0) * s.weight
         quality.setdefault(s.canonical, []).append(_lp(s))
     if not t.counts:
         return t

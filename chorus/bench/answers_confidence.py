@@ -1,0 +1,172 @@
+"""`chorus bench answers`' confidence section: one model's samples voted, filtered, weighed and picked by their own
+confidence (`ensembles.confident.decide`, the served `answer_vote` decision) and by the verifier of `chorus train
+verifier` (`training.verifier.fit_verifier`, the same fit), replayed over the cached samples and their scores.
+
+Every choice on train: the rule (measure, ``keep``, ``weigh``, window) with the best train accuracy, ties to the
+simpler rule (no filter, no weights, the earlier measure); the verifier's regularisation by cross-validation on
+train. The test split is only reported, on the items whose samples are all scored (n printed): accuracy with its
+Wilson interval, the difference from the model's greedy answer and from its plain majority vote at the same
+samples (paired bootstrap interval, McNemar's p), tokens and modeled seconds per item; then the ceilings (pass@1,
+pass@k of the samples, and with the greedy answer) and every rule of the grid (to show the spread the train
+choice was made in, not to choose by).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from chorus import stats as S
+from chorus.bench.answers import Item, Outcome, complete, draw, greedy, load, model_seconds, score
+from chorus.ensembles.confidence import MEASURES
+from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.verifier_model import Verifier
+from chorus.ensembles.voting import Sample
+from chorus.training.cascade import same
+from chorus.training.verifier import fit_verifier
+
+KEEPS = (1.0, 0.75, 0.5)
+WINDOWS = (16, 32, 64)
+
+
+def grid() -> list[Rule]:
+    """Every rule the train split chooses from, simplest first."""
+    rules = [Rule()]
+    for by, keep, weigh in itertools.product(MEASURES, KEEPS, ("none", "confidence")):
+        if keep == 1.0 and weigh == "none":
+            continue  # the measure would be read by nothing
+        for w in WINDOWS if by in ("lowest_window", "bottom_10") else (64,):
+            rules.append(Rule(by, keep, weigh, "vote", w, w))
+    for by in MEASURES:
+        for w in WINDOWS if by in ("lowest_window", "bottom_10", "tail") else (64,):
+            rules.append(Rule(by, 1.0, "none", "most_confident", w, w))
+    return rules
+
+
+def label(r: Rule) -> str:
+    if r.plain:
+        return "majority (ties: mean log-probability)"
+    win = f", window {r.window}" if r.by in ("lowest_window", "bottom_10", "tail") else ""
+    if r.pick == "most_confident":
+        return f"most confident sample by {r.by}{win}"
+    parts = ([f"keep {r.keep:g}"] if r.keep < 1 else []) + (["weighted"] if r.weigh == "confidence" else [])
+    return f"vote by {r.by}{win}: " + ", ".join(parts)
+
+
+def plain(samples: list[Sample]) -> list[Sample]:
+    """The samples without their log-probabilities: ties go to the answer seen first (plain majority)."""
+    return [dataclasses.replace(s, mean_logprob=None) for s in samples]
+
+
+def rule_row(m: str, k: int, rule: Rule, verifier: Verifier | None = None, first_seen: bool = False
+             ) -> Callable[[Item], Outcome]:
+    def run(it: Item) -> Outcome:
+        samples, tokens, seconds = draw(it, m, k)
+        d = decide(plain(samples) if first_seen else samples, rule, None, "abstain", verifier, [m] * len(samples))
+        return Outcome(same(d.answer, it.reference), len(samples), tokens, seconds)
+    return run
+
+
+def scored(items: dict[int, Item], m: str, k: int) -> dict[int, Item]:
+    """Items whose first k samples of ``m`` all carry their token numbers."""
+    return {i: it for i, it in items.items()
+            if len(draw(it, m, k)[0]) >= k and all(s.per_token is not None for s in draw(it, m, k)[0])}
+
+
+def accuracy(items: dict[int, Item], row: Callable[[Item], Outcome]) -> float:
+    return float(np.mean([o.right for o in score(items, row)])) if items else 0.0
+
+
+def fit_rule(train: dict[int, Item], m: str, k: int) -> Rule:
+    rules = grid()
+    accs = [accuracy(train, rule_row(m, k, r)) for r in rules]
+    return rules[max(range(len(rules)), key=lambda i: (accs[i], -i))]
+
+
+def train_verifier(train: dict[int, Item], m: str, k: int, confidence: bool) -> Verifier:
+    groups = [draw(it, m, k)[0] for _, it in sorted(train.items())]
+    right = [[same(s.canonical, it.reference) for s in g] for g, (_, it) in zip(groups, sorted(train.items()))]
+    return fit_verifier(groups, [[m] * len(g) for g in groups], right, [m], confidence=confidence)
+
+
+def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> list[str]:
+    """The confidence section's lines for model ``m``'s first k samples."""
+    tr, te = scored(train, m, k), scored(test, m, k)
+    if not tr or not te:
+        return ["", f"Confidence: no scored samples of {m} (run `chorus eval gsm8k-score`): section skipped."]
+    fitted = fit_rule(tr, m, k)
+    ver = train_verifier(tr, m, k, confidence=True)
+    cheap = train_verifier(tr, m, k, confidence=False)
+    base = np.array([o.right for o in score(te, greedy(m))], dtype=float)
+    maj = np.array([o.right for o in score(te, rule_row(m, k, Rule(), first_seen=True))], dtype=float)
+    rows: list[tuple[str, Callable[[Item], Outcome]]] = [
+        (f"{m} greedy", greedy(m)),
+        (f"plain majority of {k} samples (ties: first seen)", rule_row(m, k, Rule(), first_seen=True)),
+        (f"majority of {k} samples, ties by mean log-probability (answer_vote's default)", rule_row(m, k, Rule())),
+        (f"**fitted on train**: {label(fitted)}", rule_row(m, k, fitted)),
+        ("verifier (agreement, confidence, finished, length; C fitted by CV on train): pick",
+         rule_row(m, k, Rule(pick="verifier"), ver)),
+        ("same verifier: weighted vote", rule_row(m, k, Rule(weigh="verifier"), ver)),
+        ("verifier without confidence (agreement, finished, length): pick", rule_row(m, k, Rule(pick="verifier"),
+                                                                                      cheap)),
+    ]
+    lines = ["", f"Confidence ({m}, its first {k} samples): test n={len(te)} items whose samples are all scored "
+             f"(choices on train, n={len(tr)}); the rule fitted on train: {label(fitted)}; the verifier's "
+             f"cross-validated pick on train {100 * ver.training['cv']['pick_acc']:.1f}% against majority "
+             f"{100 * ver.training['cv']['majority_acc']:.1f}% (C = {ver.C:g}).", "",
+             "| row | accuracy [95% CI] | vs greedy [95% CI] | McNemar p | vs plain majority [95% CI] | McNemar p | "
+             "tokens / item | seconds / item |", "|---|---|---|---:|---|---:|---:|---:|"]
+    for name, row in rows:
+        out = score(te, row)
+        right = np.array([o.right for o in out], dtype=float)
+        lo, hi = S.accuracy_interval(right)
+        d, dm = S.paired_difference(right, base), S.paired_difference(right, maj)
+        lines.append(f"| {name} | {100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {100 * d.delta:+.1f} "
+                     f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | {100 * dm.delta:+.1f} "
+                     f"[{100 * dm.low:+.1f}, {100 * dm.high:+.1f}] | {dm.p_mcnemar:.3g} | "
+                     f"{np.mean([o.tokens for o in out]):.0f} | {np.mean([o.seconds for o in out]):.1f} |")
+    ceilings = {
+        "pass@1 (a sample's mean accuracy)": np.mean([np.mean([same(s.canonical, it.reference) for s in
+                                                                draw(it, m, k)[0]]) for it in te.values()]),
+        f"pass@{k}: some sample right": np.mean([any(same(s.canonical, it.reference) for s in draw(it, m, k)[0])
+                                                 for it in te.values()]),
+        "some sample or the greedy answer right": np.mean([
+            any(same(s.canonical, it.reference) for s in draw(it, m, k)[0]) or same(it.greedy[m].answers[0],
+                                                                                     it.reference)
+            for it in te.values()])}
+    lines += ["", "Ceilings on the same items: " + "; ".join(f"{n} {100 * v:.1f}%" for n, v in ceilings.items()) + ".",
+              "", "Every rule of the train grid on test (the spread the choice was made in; not chosen by):", "",
+              "| rule | train | test |", "|---|---:|---:|"]
+    for r in grid():
+        lines.append(f"| {label(r)} | {100 * accuracy(tr, rule_row(m, k, r)):.1f} | "
+                     f"{100 * accuracy(te, rule_row(m, k, r)):.1f} |")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    cache = Path(args.cache)
+    m, k = args.model, args.k
+    train = complete(load(cache, "train", [m]), {m: k})
+    test = complete(load(cache, "test", [m]), {m: k})
+    if not train or not test:
+        raise SystemExit(f"chorus bench confidence: need cached train and test items of {m} with greedy + {k} "
+                         f"samples in {cache}")
+    notes = model_seconds({i: it for i, it in test.items() if i < args.quiet_items}, [train, test], [m])
+    print(f"chorus bench confidence: GSM8K, {m}, answers made whole at 768 tokens; seconds modeled from tokens:")
+    print("\n".join(f"- {n}" for n in notes))
+    print("\n".join(section(train, test, m, k)))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="docs/data/gsm8k", help="the answer cache (continued and scored answers "
+                                                             "beside it)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-llama")
+    p.add_argument("--k", type=int, default=4, help="samples per item")
+    p.add_argument("--quiet-items", type=int, default=30,
+                   help="test items drawn on an otherwise idle machine (0 .. N-1): what the seconds are fitted on")

@@ -1,0 +1,253 @@
+"""Confidence of a sample from its own tokens (measures on written tables), the decision served `answer_vote` and
+the replay share (filter, weights, picks), the verifier (fit, artifact, served), the GSM8K cache readers (cut answers
+made whole, scores attached), and the served strategy over fake members of different sharpness through the openai
+SDK, with its 400s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from chorus.config import ChorusConfig
+from chorus.engines.fake.engine import FakeEngine
+from chorus.ensembles.confidence import Tokens, as_weight, kept, measure, token_confidence, windows
+from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.verifier_model import Verifier, feature_names, sample_features
+from chorus.ensembles.voting import Sample
+from chorus.training.verifier import cached_items, fit_verifier
+from tests.helpers import LiveServer, gateway
+
+# ---- measures ----
+
+
+def test_token_confidence_is_minus_the_mean_top_k_logprob() -> None:
+    assert token_confidence([-0.1, -2.0, -3.9]) == pytest.approx(2.0)
+    assert token_confidence([]) == 0.0
+
+
+@pytest.mark.parametrize(("how", "want"), [
+    ("mean_logprob", -0.5),
+    ("mean_confidence", 5.0),
+    ("lowest_window", 2.0),  # windows of 2 over [9, 1, 3, 7]: 5, 2, 5
+    ("bottom_10", 2.0),  # the lowest 10% of 3 windows: the lowest one
+    ("tail", 5.0),  # the last 2 tokens: 3, 7
+])
+def test_measures_table(how: str, want: float) -> None:
+    t = Tokens(lp=[-0.2, -0.8, -0.4, -0.6], conf=[9.0, 1.0, 3.0, 7.0])
+    assert measure(t, how, window=2, tail=2) == pytest.approx(want)
+
+
+def test_a_sample_shorter_than_the_window_is_one_window() -> None:
+    assert list(windows([4.0, 6.0], 64)) == [5.0]
+    assert measure(Tokens([], []), "mean_logprob") == float("-inf") and measure(Tokens([], []), "tail") == 0.0
+    with pytest.raises(ValueError, match="unknown confidence measure"):
+        measure(Tokens([-1.0], [1.0]), "loudest")
+
+
+def test_keep_and_weights() -> None:
+    assert kept([1.0, 5.0, 3.0, 5.0], 0.5) == [False, True, False, True]
+    assert kept([1.0, 2.0], 0.01) == [False, True]  # at least one
+    assert as_weight(-0.5, "mean_logprob") == pytest.approx(np.exp(-0.5)) and as_weight(7.0, "tail") == 7.0
+
+
+# ---- the decision ----
+
+
+def smp(answer: str, conf: float, n: int = 4, cut: bool = False, member: str = "m") -> Sample:
+    return Sample(member, f"The answer is {answer}.", answer, mean_logprob=-1 / conf, tokens=n,
+                  finish_reason="length" if cut else "stop", per_token=Tokens([-1 / conf] * n, [conf] * n))
+
+
+SAMPLES = [smp("41", 2.0), smp("41", 3.0), smp("42", 20.0), smp("7", 1.0)]
+
+
+@pytest.mark.parametrize(("rule", "answer"), [
+    (Rule(), "41"),  # plain majority
+    (Rule("mean_confidence", keep=0.25), "42"),  # only the most confident votes
+    (Rule("mean_confidence", weigh="confidence"), "42"),  # 20 against 2 + 3
+    (Rule("mean_logprob", weigh="confidence"), "41"),  # exp(-1/2) + exp(-1/3) against exp(-1/20)
+    (Rule("mean_confidence", keep=0.5), "42"),  # 42 and one 41: a tie, broken by mean log-probability
+    (Rule("tail", pick="most_confident"), "42"),
+])
+def test_decision_table(rule: Rule, answer: str) -> None:
+    d = decide(SAMPLES, rule)
+    assert d.answer == answer and d.ranked[0].canonical == answer
+
+
+def test_a_pick_prefers_a_finished_sample_and_the_filter_is_traced() -> None:
+    samples = [smp("41", 2.0), smp("99", 50.0, cut=True)]
+    d = decide(samples, Rule("mean_confidence", pick="most_confident"))
+    assert d.answer == "41" and d.confidence == [2.0, 50.0] and d.voted == [True, True]
+    assert decide(samples, Rule("mean_confidence", pick="most_confident"), unfinished="vote").answer == "99"
+    assert decide(SAMPLES, Rule("mean_confidence", keep=0.5)).voted == [False, True, True, False]
+
+
+# ---- the verifier ----
+
+
+def toy_groups(n: int, seed: int = 0) -> tuple[list[list[Sample]], list[list[bool]]]:
+    """Items of 4 samples where the right answer is the sure one (confidence ~90, as the sharp fake's), not the
+    most frequent (two hesitant samples, confidence ~4.5, as the doubting fake's)."""
+    rng = np.random.default_rng(seed)
+
+    def one(answer: str, conf: float, lp: float) -> Sample:
+        return Sample("m", "", answer, mean_logprob=lp, tokens=int(rng.integers(20, 40)),
+                      per_token=Tokens([lp] * 8, [conf] * 8))
+
+    groups, right = [], []
+    for _ in range(n):
+        g = [one("1", float(rng.uniform(60, 95)), float(rng.uniform(-0.5, 0))),
+             one("2", float(rng.uniform(3, 6)), float(rng.uniform(-5, -3))),
+             one("2", float(rng.uniform(3, 6)), float(rng.uniform(-5, -3))),
+             one("3", float(rng.uniform(3, 6)), float(rng.uniform(-5, -3)))]
+        groups.append(g)
+        right.append([s.canonical == "1" for s in g])
+    return groups, right
+
+
+def test_the_verifier_learns_what_majority_misses_and_round_trips(tmp_path: Path) -> None:
+    groups, right = toy_groups(30)
+    v = fit_verifier(groups, [["m"] * 4 for _ in groups], right, ["m"], confidence=True, window=2, tail=2)
+    assert v.training["cv"]["pick_acc"] == 1.0 and v.training["cv"]["majority_acc"] == 0.0
+    assert v.features == feature_names(["m"], True)
+    loaded = Verifier.load(v.save(tmp_path))
+    scores = loaded.scores(groups[0], ["m"] * 4)
+    assert int(np.argmax(scores)) == 0
+    assert decide(groups[0], Rule(pick="verifier"), verifier=loaded, models=["m"] * 4).answer == "1"
+    assert decide(groups[0], Rule(weigh="verifier"), verifier=loaded, models=["m"] * 4).answer == "1"
+
+
+def test_verifier_features_and_a_foreign_artifact(tmp_path: Path) -> None:
+    x = sample_features([smp("1", 2.0, member="a"), smp("1", 4.0, member="b"), smp("", 1.0, cut=True)],
+                        ["a", "b", "b"], ["a", "b"], False, 64, 64)
+    assert x.shape == (3, len(feature_names(["a", "b"], False)))
+    assert list(x[:, 0]) == [1.0, 1.0, 0.0] and list(x[:, 1]) == [1.0, 1.0, 0.0]  # agreement, finished
+    assert list(x[:, -2]) == [1.0, 0.0, 0.0]  # member:a
+    with pytest.raises(ValueError, match="token log-probabilities"):
+        sample_features([Sample("a", "", "1")], ["a"], ["a"], True, 64, 64)
+    (tmp_path / "verifier.json").write_text(json.dumps({"kind": "verifier", "format": 1, "members": ["m"],
+                                                        "features": ["loudness"], "coef": [1.0], "intercept": 0.0,
+                                                        "mean": [0.0], "scale": [1.0], "C": 1.0,
+                                                        "confidence": False}))
+    from chorus.errors import ConfigError
+    with pytest.raises(ConfigError, match="retrain"):
+        Verifier.load(tmp_path)
+
+
+# ---- the GSM8K cache: cut answers made whole, scores attached ----
+
+
+def test_cached_items_join_continuations_and_scores(tmp_path: Path) -> None:
+    (tmp_path / "train").mkdir()
+    base = tmp_path / "train" / "m"
+    rows = [{"item": 0, "kind": "greedy", "seed": None, "reference": "18", "seconds": 1.0, "temperature": 0.0,
+             "choices": [{"text": "16 - 3 = 13, 13 - 4 = ", "answer": "4", "finish_reason": "length", "tokens": 5}]},
+            {"item": 0, "kind": "sample", "seed": 7, "reference": "18", "seconds": 2.0, "temperature": 0.7,
+             "choices": [{"text": "The answer is 18.", "answer": "18", "finish_reason": "stop", "tokens": 4},
+                         {"text": "The answer is 9.", "answer": "9", "finish_reason": "stop", "tokens": 4}]}]
+    base.with_suffix(".jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    base.with_suffix(".continued.jsonl").write_text(json.dumps(
+        {"item": 0, "kind": "greedy", "seed": None, "choice": 0, "budget": 768, "text": "9, 9 * 2 = 18. The answer "
+         "is 18.", "finish_reason": "stop", "tokens": 11, "answer": "18", "seconds": 3.0}))
+    base.with_suffix(".scored.jsonl").write_text(json.dumps(
+        {"item": 0, "kind": "sample", "seed": 7, "choice": 1, "budget": 768, "k": 20, "lp": [-0.5, -1.5],
+         "conf": [3.0, 1.0]}))
+    it = cached_items(tmp_path, "train", ["m"])[0]
+    g = it.greedy["m"]
+    assert (g.answer, g.finish_reason, g.tokens) == ("18", "stop", 16) and g.text.endswith("The answer is 18.")
+    assert [s.answer for s in it.samples["m"]] == ["18", "9"]
+    assert it.samples["m"][0].per_token is None and it.samples["m"][1].mean_logprob == pytest.approx(-1.0)
+
+
+# ---- served: answer_vote over fake members of different sharpness (greedy: each writes its script) ----
+
+RIGHT, WRONG = "Step by step. The answer is 42.", "Hmm. The answer is 41."
+
+
+@pytest.fixture(scope="module")
+def fakes() -> dict[str, FakeEngine]:
+    return {"doubt": FakeEngine("doubt", replies=[WRONG], sharpness=0.5, max_model_len=4000),
+            "sharp": FakeEngine("sharp", replies=[RIGHT], sharpness=100.0, max_model_len=4000)}
+
+
+@pytest.fixture(scope="module")
+def server(fakes: dict[str, FakeEngine]) -> Iterator[LiveServer]:
+    config = {"models": [{"name": n, "engine": "fake"} for n in fakes]}
+    with gateway(ChorusConfig.model_validate(config), engines=dict(fakes), timeout=120) as srv:
+        yield srv
+    assert all(e.active_sessions == 0 for e in fakes.values())
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client: openai.OpenAI, ensemble: dict[str, Any]) -> Any:
+    body = {"strategy": "answer_vote", "members": ["doubt", "doubt", "sharp"], "samples": 1, "answer": "number",
+            "temperature": 0, "trace": True, **ensemble}
+    return client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "How many?"}],
+                                          extra_body={"ensemble": body})
+
+
+@pytest.mark.parametrize(("rule", "answer"), [
+    ({}, "41"),  # two hesitant samples outvote one sure one
+    ({"confidence_by": "mean_confidence", "keep": 0.3}, "42"),
+    ({"confidence_by": "lowest_window", "window": 4, "weigh": "confidence"}, "42"),
+    ({"confidence_by": "tail", "pick": "most_confident"}, "42"),
+])
+def test_served_answer_vote_reads_its_samples_confidence(client: openai.OpenAI, rule: dict[str, Any],
+                                                         answer: str) -> None:
+    r = ask(client, rule)
+    trace = r.model_extra["ensemble"]
+    assert trace["winner"]["answer"] == answer and (RIGHT if answer == "42" else WRONG) == r.choices[0].message.content
+    if rule:
+        conf = trace["confidence"]["by_sample"]
+        assert conf[2] > 3 * max(conf[0], conf[1])  # the sharp member is the sure one
+        assert trace["confidence"]["rule"]["by"] == rule["confidence_by"]
+    else:
+        assert "confidence" not in trace
+
+
+def test_served_verifier_picks_and_weighs(client: openai.OpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
+    from chorus.ensembles.selector_model import selectors_dir
+
+    groups, right = toy_groups(30)
+    models = [["sharp", "doubt", "doubt", "doubt"] for _ in groups]  # the right, confident sample is sharp's
+    fit_verifier(groups, models, right, ["doubt", "sharp"], confidence=True).save(selectors_dir() / "v")
+    for how in ({"pick": "verifier"}, {"weigh": "verifier"}):
+        r = ask(client, {"verifier": "v", **how})
+        trace = r.model_extra["ensemble"]
+        assert trace["winner"]["answer"] == "42" and len(trace["confidence"]["verifier"]) == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, {"verifier": "v", "pick": "verifier", "members": ["sharp"]})
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "ensemble.members"
+
+
+@pytest.mark.parametrize(("ensemble", "param", "words"), [
+    ({"keep": 0.5}, "ensemble.confidence_by", "needs a confidence measure"),
+    ({"pick": "most_confident"}, "ensemble.confidence_by", "needs a confidence measure"),
+    ({"confidence_by": "tail"}, "ensemble.confidence_by", "is read only by"),
+    ({"confidence_by": "loudness"}, "ensemble.confidence_by", "mean_logprob"),
+    ({"keep": 0}, "ensemble.keep", "greater than 0"),
+    ({"top_logprobs": 21}, "ensemble.top_logprobs", "less than or equal"),
+    ({"pick": "verifier"}, "ensemble.verifier", "need a verifier"),
+    ({"verifier": "v"}, "ensemble.verifier", "is read only by"),
+    ({"verifier": "missing", "pick": "verifier"}, "ensemble.verifier", "No verifier artifact"),
+    ({"verifier": "../../etc", "pick": "verifier"}, "ensemble.verifier", "must name an artifact inside"),
+    ({"confidence_by": "tail", "keep": 0.5, "stop": "beta", "samples": 8}, "ensemble.stop", "stop: none"),
+])
+def test_bad_confidence_rules_are_400s_naming_the_field(client: openai.OpenAI, ensemble: dict[str, Any], param: str,
+                                                         words: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, ensemble)
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == param and words in body["message"], body
