@@ -4,6 +4,8 @@ Every answer was drawn through chorus's API (the served models, one request per 
 samples); this bench replays the served strategies' decision functions (`ensembles.voting`, the cascade fit of
 `training.cascade`) over those cached answers, item by item, so each row is what the strategy would have
 answered with those samples, and costs what drawing them cost (each request's measured seconds and tokens).
+Answers the cache cut at its cap are made whole with their continuations to 768 tokens (`chorus eval
+gsm8k-continue`; a continued answer is charged its whole tokens at the modeled rate).
 
 Protocol: every choice is made on the train split (which member is "best", the cascade's threshold for a target
 accuracy, consistency selection's tie-break priors); the test split is only reported. Rows: each member greedy;
@@ -61,10 +63,11 @@ class Outcome:
     large: bool = False  # the larger model was asked
 
 
-def load(cache: Path, split: str, models: list[str], budget: int | None = 768) -> dict[int, Item]:
+def load(cache: Path, split: str, models: list[str], budget: int | None = 768, scored: bool = True
+         ) -> dict[int, Item]:
     """The cached items of ``split``; with ``budget``, every answer cut at the cache's cap made whole with its
     continuation to that budget (`chorus eval gsm8k-continue`), and the token numbers of scored answers
-    (`chorus eval gsm8k-score`) on its samples."""
+    (`chorus eval gsm8k-score`) on its samples unless ``scored`` is False."""
     items: dict[int, Item] = {}
     for m in models:
         path = cache / split / f"{m}.jsonl"
@@ -72,7 +75,7 @@ def load(cache: Path, split: str, models: list[str], budget: int | None = 768) -
         scores = {}
         if budget is not None:
             rows = whole(rows, read(continued_path(cache, split, m)), budget)
-            scores = read_scores(cache, split, m, budget)
+            scores = read_scores(cache, split, m, budget) if scored else {}
         for r in sorted(rows, key=lambda r: (r["item"], r["seed"] or -1)):
             it = items.setdefault(r["item"], Item(r["reference"]))
             b = Batch([c["answer"] for c in r["choices"]], sum(c["tokens"] for c in r["choices"]), r["seconds"],
@@ -261,8 +264,10 @@ def accuracy(items: dict[int, Item], row: Callable[[Item], Outcome]) -> float:
 def main(args: argparse.Namespace) -> int:
     small, large = args.small, args.large
     need = {small: args.k_small, large: args.k_large}
-    train = complete(load(Path(args.cache), "train", [small, large]), need)
-    test = complete(load(Path(args.cache), "test", [small, large]), need)
+    # the samples' scores are left out here (ties go to the answer seen first, on every item alike): what reading
+    # them adds is `chorus bench confidence`'s, on the items that are scored
+    train = complete(load(Path(args.cache), "train", [small, large], scored=False), need)
+    test = complete(load(Path(args.cache), "test", [small, large], scored=False), need)
     if not train or not test:
         raise SystemExit(f"need cached train and test items with greedy + {need} samples in {args.cache}")
     notes = []

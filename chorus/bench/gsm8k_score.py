@@ -50,8 +50,12 @@ def score_one(client: httpx.Client, url: str, model: str, head: str, row: dict[s
     body = {"model": model, "prompt": head + text, "echo": True, "logprobs": k, "max_tokens": 0}
     r, _ = post(client, url + "/v1/completions", body)
     r.raise_for_status()
-    lps = r.json()["choices"][0]["logprobs"]
-    answer = [i for i, off in enumerate(lps["text_offset"]) if off >= len(head)]
+    echoed = r.json()["choices"][0]
+    lps = echoed["logprobs"]
+    # the echo is the prompt as its tokens decode (special tokens are not text), so the answer is its last
+    # len(text) characters: the tokens that start there are the answer's
+    start = len(echoed["text"]) - len(text)
+    answer = [i for i, off in enumerate(lps["text_offset"]) if off >= start]
     lp = [round(float(lps["token_logprobs"][i]), 3) + 0.0 for i in answer]  # + 0.0: no "-0.0"
     conf = [round(token_confidence(list((lps["top_logprobs"][i] or {}).values())), 2) for i in answer]
     return {"item": row["item"], "kind": row["kind"], "seed": row["seed"], "choice": choice, "budget": budget,

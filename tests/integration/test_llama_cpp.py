@@ -498,3 +498,27 @@ def test_a_batch_on_llama_cpp_answers_as_the_live_api(client: openai.OpenAI) -> 
     # the batch's lines ran 4 at a time, the live ones alone: a batch of another shape may round a Q4 greedy
     # step differently (docs/configuration.md), so one line may differ
     assert same >= len(bodies) - 1
+
+
+def test_scoring_an_answer_again_reads_the_draws_own_numbers(client: openai.OpenAI, llama_server: LiveServer) -> None:
+    """`chorus eval gsm8k-score`'s method: the text of a greedy draw echoed after its chat head through
+    /v1/completions gives the token log-probabilities and top-k confidences the draw itself carried (what a
+    served answer_vote reads), up to the prefill's matmul shapes."""
+    import httpx
+
+    from chorus.bench.gsm8k_score import score_one
+    from chorus.engines.llama_cpp.engine import gguf_of, tokenizer_for
+    from chorus.ensembles.confidence import token_confidence
+
+    r = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=24, temperature=0, logprobs=True,
+                                       top_logprobs=20)
+    drawn = r.choices[0].logprobs.content
+    head = tokenizer_for(SPEC, gguf_of(SPEC)).render_chat(Q)
+    row = {"item": 0, "kind": "greedy", "seed": None, "choices": [{"text": r.choices[0].message.content}]}
+    with httpx.Client(timeout=300) as http:
+        got = score_one(http, llama_server.url, LLAMA, head, row, 0, 20, 768)
+    n = min(len(drawn), len(got["lp"]))
+    assert n >= len(drawn) - 1  # re-tokenizing the text gives the same tokens (the last may merge with nothing)
+    assert max(abs(d.logprob - lp) for d, lp in zip(drawn[:n], got["lp"])) < 0.05
+    want = [token_confidence([t.logprob for t in d.top_logprobs]) for d in drawn[:n]]
+    assert max(abs(w - c) for w, c in zip(want, got["conf"])) < 0.1

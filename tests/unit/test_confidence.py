@@ -251,3 +251,98 @@ def test_bad_confidence_rules_are_400s_naming_the_field(client: openai.OpenAI, e
         ask(client, ensemble)
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == param and words in body["message"], body
+
+
+# ---- the commands over the GSM8K cache: score, train verifier, bench confidence ----
+
+
+def test_eval_gsm8k_score_scores_each_answer_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`chorus eval gsm8k-score`: each cached answer (a cut one made whole) echoed after its chat head through
+    /v1/completions; its tokens' log-probabilities and top-k confidences kept, from the answer's first character;
+    a rerun sends nothing."""
+    import argparse
+
+    from chorus.bench import gsm8k_score
+    from tests.helpers import serve_fakes
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "Q0?", "answer": "x\n#### 42"}) + "\n")
+    cache = tmp_path / "c" / "test"
+    cache.mkdir(parents=True)
+    rows = [{"item": 0, "kind": "greedy", "seed": None, "temperature": 0.0, "reference": "42", "seconds": 1.0,
+             "choices": [{"text": "abc", "finish_reason": "length", "answer": "", "tokens": 3}]},
+            {"item": 0, "kind": "sample", "seed": 5, "temperature": 0.7, "reference": "42", "seconds": 1.0,
+             "choices": [{"text": "xyz", "finish_reason": "stop", "answer": "", "tokens": 3}]}]
+    (cache / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (cache / "m.continued.jsonl").write_text(json.dumps({"item": 0, "kind": "greedy", "seed": None, "choice": 0,
+                                                         "budget": 768, "text": "de", "finish_reason": "stop",
+                                                         "tokens": 2, "answer": "", "seconds": 1.0}) + "\n")
+    monkeypatch.setattr(gsm8k_score, "chat_head", lambda config, model: lambda q: f"<{q}>")
+    engine = FakeEngine("m", max_model_len=4000)
+
+    def run(*extra: str) -> int:
+        parser = argparse.ArgumentParser()
+        gsm8k_score.add_arguments(parser)
+        return gsm8k_score.main(parser.parse_args(["--url", srv.url, "--model", "m", "--data-dir", str(tmp_path),
+                                                   "--cache", str(tmp_path / "c"), "--k", "5", *extra]))
+
+    with serve_fakes({"m": engine}) as srv:
+        assert run("--kind", "sample") == 0
+        got = [json.loads(x) for x in (cache / "m.scored.jsonl").read_text().splitlines()]
+        assert [(g["kind"], len(g["lp"])) for g in got] == [("sample", 3)]  # only what was asked
+        assert run() == 0
+        got = [json.loads(x) for x in (cache / "m.scored.jsonl").read_text().splitlines()]
+        assert [(g["kind"], len(g["lp"]), g["k"]) for g in got] == [("sample", 3, 5), ("greedy", 5, 5)]  # "abcde"
+        assert all(c > 0 for g in got for c in g["conf"]) and all(lp <= 0 for g in got for lp in g["lp"])
+        sent = engine.opened
+        assert run() == 0 and engine.opened == sent  # resumed: nothing left to score
+
+
+def write_cache(root: Path) -> None:
+    """train and test items of one model "m": 4 samples each; the sure sample (confidence 9) is right, the two
+    hesitant ones (confidence 2) agree on a wrong answer; the greedy answer is right on even items."""
+    for split, n in (("train", 12), ("test", 20)):
+        (root / split).mkdir(parents=True)
+        rows, scored = [], []
+        for i in range(n):
+            rows.append({"item": i, "kind": "greedy", "seed": None, "reference": "5", "seconds": 1.0 + i / 100,
+                         "choices": [{"text": "g", "answer": "5" if i % 2 == 0 else "6", "tokens": 10 + i,
+                                      "finish_reason": "stop"}]})
+            answers = ["5", "7", "7", "8"]
+            rows.append({"item": i, "kind": "sample", "seed": 1, "reference": "5", "seconds": 4.0 + i / 25,
+                         "choices": [{"text": a, "answer": a, "tokens": 10 + i, "finish_reason": "stop"}
+                                     for a in answers]})
+            scored += [{"item": i, "kind": "sample", "seed": 1, "choice": c, "budget": 768, "k": 20,
+                        "lp": [-0.1 if c == 0 else -1.0] * 6, "conf": [9.0 if c == 0 else 2.0 + c / 10] * 6}
+                       for c in range(4)]
+        (root / split / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (root / split / "m.scored.jsonl").write_text("\n".join(json.dumps(r) for r in scored) + "\n")
+
+
+def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from chorus.bench import answers_confidence
+    from chorus.training import verifier
+
+    write_cache(tmp_path / "c")
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser()
+    verifier.add_arguments(parser)
+    assert verifier.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m", "--out", "v"])) == 0
+    out = capsys.readouterr().out
+    assert "12 items, 48 samples; cross-validated pick 100.0% against majority 0.0%" in out
+    assert Verifier.load(tmp_path / "home" / "selectors" / "v").training["items"] == 12
+    parser = argparse.ArgumentParser()
+    answers_confidence.add_arguments(parser)
+    assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
+                                                      "--quiet-items", "10"])) == 0
+    table = capsys.readouterr().out
+    assert "test n=20 items whose samples are all scored (choices on train, n=12)" in table
+    line = {r.split(" | ")[0].strip("| *"): r for r in table.splitlines() if r.startswith("| ")}
+    assert "| 0.0 [" in line["plain majority of 4 samples (ties: first seen)"]
+    assert "| 50.0 [" in line["m greedy"]
+    fitted = next(r for r in table.splitlines() if r.startswith("| **fitted on train**"))
+    assert "| 100.0 [" in fitted and "| +50.0 [" in fitted and "| +100.0 [" in fitted  # vs greedy, vs majority
+    assert "pass@4: some sample right 100.0%" in table
