@@ -252,6 +252,16 @@ def cascade_curve(items: dict[int, Item], small: str, large: str, k: int, u: Unf
     return out
 
 
+def ceilings(small: str, large: str, need: dict[str, int]) -> list[tuple[str, Callable[[Item], list[str]]]]:
+    """What some answer of a set gets right: the pass@k ceilings a selection among those answers is under."""
+    def of(m: str, k: int, with_greedy: bool = False) -> Callable[[Item], list[str]]:
+        return lambda it: first(it, m, k)[0] + (it.greedy[m].answers if with_greedy else [])
+
+    return [(f"{m} samples (k={need[m]})", of(m, need[m])) for m in (small, large)] + [
+        (f"{m} samples + its greedy answer", of(m, need[m], True)) for m in (small, large)] + [
+        ("every answer of both models", lambda it: of(small, need[small], True)(it) + of(large, need[large], True)(it))]
+
+
 def score(items: dict[int, Item], row: Callable[[Item], Outcome]) -> list[Outcome]:
     return [row(items[i]) for i in sorted(items)]
 
@@ -266,8 +276,9 @@ def main(args: argparse.Namespace) -> int:
     need = {small: args.k_small, large: args.k_large}
     # the samples' scores are left out here (ties go to the answer seen first, on every item alike): what reading
     # them adds is `chorus bench confidence`'s, on the items that are scored
-    train = complete(load(Path(args.cache), "train", [small, large], scored=False), need)
-    test = complete(load(Path(args.cache), "test", [small, large], scored=False), need)
+    budget = args.budget or None
+    train = complete(load(Path(args.cache), "train", [small, large], budget, scored=False), need)
+    test = complete(load(Path(args.cache), "test", [small, large], budget, scored=False), need)
     if not train or not test:
         raise SystemExit(f"need cached train and test items with greedy + {need} samples in {args.cache}")
     notes = []
@@ -315,8 +326,9 @@ def main(args: argparse.Namespace) -> int:
     base = np.array([o.right for o in score(test, greedy(best))], dtype=float)
     oracle = np.array([any(same(it.greedy[m].answers[0], it.reference) for m in (small, large))
                        for _, it in sorted(test.items())], dtype=float)
+    made = f"answers cut at the cache's cap continued to {budget} tokens" if budget else "answers as drawn"
     lines = [f"chorus bench answers: {args.name} test, n={len(test)} items (choices on train, n={len(train)}); best "
-             f"member on train: {best} greedy", "", *notes,
+             f"member on train: {best} greedy; {made}", "", *notes,
              f"| row | accuracy [95% CI] | vs {best} greedy [95% CI] | McNemar p | samples / item | tokens / item | "
              "seconds / item | larger model asked |", "|---|---|---|---:|---:|---:|---:|---:|"]
     figure = []
@@ -335,6 +347,9 @@ def main(args: argparse.Namespace) -> int:
     lo, hi = S.accuracy_interval(oracle)
     lines.append(f"| oracle: some member's greedy answer is right | {100 * oracle.mean():.1f} [{100 * lo:.1f}, "
                  f"{100 * hi:.1f}] | | | | | | |")
+    lines += ["", f"Ceilings (pass@k: some answer right), n = {len(test)}:", ""] + [
+        f"- {name}: {100 * float(np.mean([any(same(a, it.reference) for a in pick(it)) for it in test.values()])):.1f}%"
+        for name, pick in ceilings(small, large, need)]
     lines += ["", "Each model's self-consistency against its own greedy answer (goal 1):", ""]
     for m, kmax in ((small, args.k_small), (large, args.k_large)):
         own = np.array([o.right for o in score(test, greedy(m))], dtype=float)
@@ -368,6 +383,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-large", type=int, default=4, help="samples of the large model per item in the cache")
     p.add_argument("--keep", type=float, default=1.0, help="cascade fit: share of the large model's train accuracy")
     p.add_argument("--figure-data", help="write accuracy and seconds per row (JSON) for the figure")
+    p.add_argument("--budget", type=int, default=768, help="answers cut at the cache's cap made whole with their "
+                                                          "continuations to this budget (0: as drawn)")
     p.add_argument("--name", default="GSM8K", help="the set's name in the table's title")
     p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
                    help="samples cut at max_tokens: abstain while another sample finished (the served default), "

@@ -148,6 +148,81 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
     return lines
 
 
+def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None, greedy_of: str | None = None
+               ) -> Callable[[Item], Outcome]:
+    """Every model's first k samples in one decision (plain: ties to the first seen), with ``greedy_of``'s greedy
+    answer as one more sample first (a replay-only reference: `answer_vote` draws every member's samples alike)."""
+    def run(it: Item) -> Outcome:
+        samples: list[Sample] = []
+        models: list[str] = []
+        tokens = seconds = 0.0
+        if greedy_of is not None:
+            g = it.greedy[greedy_of]
+            samples, models, tokens, seconds = list(g.samples), [greedy_of], g.tokens, g.seconds
+        for m, k in ks.items():
+            got, t, sec = draw(it, m, k)
+            samples += got
+            models += [m] * len(got)
+            tokens += t
+            seconds += sec
+        d = decide(plain(samples), rule, None, "abstain", verifier, models)
+        return Outcome(same(d.answer, it.reference), len(samples), tokens, seconds, large=len(ks) > 1)
+    return run
+
+
+def pooled_verifier(train: dict[int, Item], ks: dict[str, int]) -> Verifier:
+    """The verifier without confidence (agreement, finished, length, model) over these models' samples."""
+    groups, models, right = [], [], []
+    for _, it in sorted(train.items()):
+        g, ms = [], []
+        for m, k in ks.items():
+            got = draw(it, m, k)[0]
+            g += got
+            ms += [m] * len(got)
+        groups.append(g)
+        models.append(ms)
+        right.append([same(s.canonical, it.reference) for s in g])
+    return fit_verifier(groups, models, right, list(ks), confidence=False)
+
+
+def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str, k_small: int, k_large: int
+           ) -> list[str]:
+    """Both models' samples together against the larger model alone, at their modeled seconds (equal cost is read
+    off the seconds column): plain votes and the verifier without confidence (the smaller model's answers are not
+    scored), on every test item."""
+    both = {large: k_large, small: k_small}
+    one = {large: k_large}
+    v_both, v_one = pooled_verifier(train, both), pooled_verifier(train, one)
+    base = np.array([o.right for o in score(test, greedy(large))], dtype=float)
+    rows: list[tuple[str, Callable[[Item], Outcome]]] = [
+        (f"{large} greedy", greedy(large)),
+        (f"{large}: plain majority of {k_large} samples", pooled_row(one, Rule())),
+        (f"{large}: verifier pick over {k_large} samples (no confidence)", pooled_row(one, Rule(pick="verifier"),
+                                                                                    v_one)),
+        (f"{large}: plain majority of its greedy answer + {k_large} samples (replay only)",
+         pooled_row(one, Rule(), greedy_of=large)),
+        (f"both: plain majority of {k_large} + {k_small} samples", pooled_row(both, Rule())),
+        (f"both: verifier pick over {k_large} + {k_small} samples (no confidence)",
+         pooled_row(both, Rule(pick="verifier"), v_both)),
+        (f"both: verifier-weighted vote over {k_large} + {k_small} samples", pooled_row(both, Rule(weigh="verifier"),
+                                                                                       v_both)),
+    ]
+    lines = ["", f"Both models' samples together (test n={len(test)}, verifiers fitted on train n={len(train)}; "
+             f"cross-validated pick on train: both {100 * v_both.training['cv']['pick_acc']:.1f}%, {large} alone "
+             f"{100 * v_one.training['cv']['pick_acc']:.1f}%):", "",
+             f"| row | accuracy [95% CI] | vs {large} greedy [95% CI] | McNemar p | samples / item | seconds / item |",
+             "|---|---|---|---:|---:|---:|"]
+    for name, row in rows:
+        out = score(test, row)
+        right = np.array([o.right for o in out], dtype=float)
+        lo, hi = S.accuracy_interval(right)
+        d = S.paired_difference(right, base)
+        lines.append(f"| {name} | {100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {100 * d.delta:+.1f} "
+                     f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | "
+                     f"{np.mean([o.samples for o in out]):.1f} | {np.mean([o.seconds for o in out]):.1f} |")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     cache = Path(args.cache)
     m, k = args.model, args.k
@@ -160,6 +235,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"chorus bench confidence: GSM8K, {m}, answers made whole at 768 tokens; seconds modeled from tokens:")
     print("\n".join(f"- {n}" for n in notes))
     print("\n".join(section(train, test, m, k)))
+    if args.small:
+        need = {m: k, args.small: args.k_small}
+        tr2 = complete(load(cache, "train", [m, args.small]), need)
+        te2 = complete(load(cache, "test", [m, args.small]), need)
+        if not tr2 or not te2:
+            print(f"\nBoth models: no items with {need} samples cached: section skipped.")
+            return 0
+        model_seconds({i: it for i, it in te2.items() if i < args.quiet_items}, [tr2, te2], [m, args.small])
+        print("\n".join(pooled(tr2, te2, args.small, m, args.k_small, k)))
     return 0
 
 
@@ -168,5 +252,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "beside it)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-llama")
     p.add_argument("--k", type=int, default=4, help="samples per item")
+    p.add_argument("--small", default="qwen2.5-coder-0.5b-instruct-llama",
+                   help="a second model whose samples join (empty: none)")
+    p.add_argument("--k-small", type=int, default=8, help="its samples per item")
     p.add_argument("--quiet-items", type=int, default=30,
                    help="test items drawn on an otherwise idle machine (0 .. N-1): what the seconds are fitted on")

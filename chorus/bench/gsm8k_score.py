@@ -45,10 +45,14 @@ def chat_head(config: str | None, model: str) -> Any:
 
 
 def score_one(client: httpx.Client, url: str, model: str, head: str, row: dict[str, Any], choice: int, k: int,
-              budget: int) -> dict[str, Any]:
+              budget: int) -> dict[str, Any] | None:
     text = row["choices"][choice]["text"]
     body = {"model": model, "prompt": head + text, "echo": True, "logprobs": k, "max_tokens": 0}
     r, _ = post(client, url + "/v1/completions", body)
+    if r.status_code == 400:  # e.g. longer than the model's context: said, skipped (the item stays unscored)
+        print(f"item {row['item']} {row['kind']} choice {choice}: {r.json().get('error', {}).get('message')}",
+              file=sys.stderr, flush=True)
+        return None
     r.raise_for_status()
     echoed = r.json()["choices"][0]
     lps = echoed["logprobs"]
@@ -88,12 +92,14 @@ def main(args: argparse.Namespace) -> int:
         with httpx.Client(timeout=args.timeout) as client, out_path.open("a") as out, \
                 ThreadPoolExecutor(args.concurrency) as pool:
             def one(rc: tuple[dict[str, Any], int], model: str = model,
-                    heads: dict[int, str] = heads) -> tuple[dict[str, Any], float]:
+                    heads: dict[int, str] = heads) -> tuple[dict[str, Any] | None, float]:
                 t0 = time.perf_counter()
                 got = score_one(client, args.url, model, heads[rc[0]["item"]], rc[0], rc[1], args.k, args.budget)
                 return got, time.perf_counter() - t0
 
             for got, seconds in pool.map(one, todo):
+                if got is None:
+                    continue
                 out.write(json.dumps(got, separators=(",", ":")) + "\n")
                 out.flush()
                 print(f"{args.split} {model} item {got['item']} {got['kind']} choice {got['choice']}: "

@@ -517,6 +517,7 @@ def test_scoring_an_answer_again_reads_the_draws_own_numbers(client: openai.Open
     row = {"item": 0, "kind": "greedy", "seed": None, "choices": [{"text": r.choices[0].message.content}]}
     with httpx.Client(timeout=300) as http:
         got = score_one(http, llama_server.url, LLAMA, head, row, 0, 20, 768)
+    assert drawn is not None and got is not None
     n = min(len(drawn), len(got["lp"]))
     assert n >= len(drawn) - 1  # re-tokenizing the text gives the same tokens (the last may merge with nothing)
     assert max(abs(d.logprob - lp) for d, lp in zip(drawn[:n], got["lp"])) < 0.05

@@ -337,7 +337,7 @@ def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypa
     parser = argparse.ArgumentParser()
     answers_confidence.add_arguments(parser)
     assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
-                                                      "--quiet-items", "10"])) == 0
+                                                      "--quiet-items", "10", "--small", ""])) == 0
     table = capsys.readouterr().out
     assert "test n=20 items whose samples are all scored (choices on train, n=12)" in table
     line = {r.split(" | ")[0].strip("| *"): r for r in table.splitlines() if r.startswith("| ")}
@@ -346,3 +346,14 @@ def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypa
     fitted = next(r for r in table.splitlines() if r.startswith("| **fitted on train**"))
     assert "| 100.0 [" in fitted and "| +50.0 [" in fitted and "| +100.0 [" in fitted  # vs greedy, vs majority
     assert "pass@4: some sample right 100.0%" in table
+    # a second model whose 8 samples all give the right answer: pooled, a vote over both is right everywhere
+    for split, n in (("train", 12), ("test", 20)):
+        rows = [{"item": i, "kind": kind, "seed": seed, "reference": "5", "seconds": 2.0 + i / 25,
+                 "choices": [{"text": "5", "answer": "5", "tokens": 10 + i, "finish_reason": "stop"}] * count}
+                for i in range(n) for kind, seed, count in (("greedy", None, 1), ("sample", 1, 4), ("sample", 2, 4))]
+        (tmp_path / "c" / split / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
+                                                      "--quiet-items", "10", "--small", "s"])) == 0
+    table = capsys.readouterr().out
+    both = next(r for r in table.splitlines() if r.startswith("| both: plain majority of 4 + 8 samples"))
+    assert "| 100.0 [" in both and "| +50.0 [" in both and "| 12.0 |" in both
