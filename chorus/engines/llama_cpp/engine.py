@@ -247,15 +247,13 @@ class LlamaCppEngine(SessionEngine):
         return [(s, row) for s in sessions]
 
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
-        """The whole prompt in one session: its first token, then the rest as one extend (every token's
-        logits from the same batched decodes), not a step per token."""
+        """The whole prompt in one session, prefilled in prefill-sized batches that keep every token's logits
+        (`LlamaSession.score`), not a step per token nor an extend's small chunks."""
         if len(ids) < 2:
             return await super().prompt_logprobs(ids, k)
         session = self.open_session()
         try:
-            first = await session.prefill(ids[:1])
-            rest = await session.extend(ids[1:-1]) if len(ids) > 2 else first[None][:0]
-            rows = [first, *rest]
+            rows = await session.score(ids[:-1])
             return [None, *(token_logprob(self.tokenizer, rows[i], t, k) for i, t in enumerate(ids[1:]))]
         finally:
             session.close()

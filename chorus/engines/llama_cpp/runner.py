@@ -182,7 +182,7 @@ class LlamaRunner:
                 blocked = blocked or not self._take_ids(s)
                 if s.seq is None:
                     continue  # it waits; a prompt whose sequence is already held goes on
-                if self.cache.enabled and w.done == 0 and s.length == 0:
+                if self.cache.enabled and w.done == 0 and s.length == 0 and not w.all_logits:
                     self._from_cache(s, w)
             if s.background and background_room <= 0:
                 break

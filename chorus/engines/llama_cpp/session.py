@@ -114,6 +114,19 @@ class LlamaSession:
         self.prefilled = True
         return out[-1]
 
+    async def score(self, ids: Sequence[int]) -> torch.Tensor:
+        """A prefill that keeps every token's logits: (len(ids), V), row j the logits after ``ids[j]`` (a whole
+        prompt scored in prefill-sized chunks rather than in an extend's; never read from the prefix cache)."""
+        if self.prefilled:
+            raise InvalidRequest("session is already prefilled")
+        if not ids:
+            raise InvalidRequest("scoring needs at least one token")
+        if len(ids) > self._runner.max_model_len:
+            raise ContextLengthExceeded(f"prompt exceeds the context window of {self._runner.max_model_len} tokens")
+        out = await self._submit(list(ids), all_logits=True, prefill=True)
+        self.prefilled = True
+        return out
+
     async def step(self, token: int) -> torch.Tensor:
         return (await self.extend([token]))[-1]
 
