@@ -523,3 +523,22 @@ def test_scoring_an_answer_again_reads_the_draws_own_numbers(client: openai.Open
     assert max(abs(d.logprob - lp) for d, lp in zip(drawn[:n], got["lp"])) < 0.05
     want = [token_confidence([t.logprob for t in d.top_logprobs]) for d in drawn[:n]]
     assert max(abs(w - c) for w, c in zip(want, got["conf"])) < 0.1
+
+
+def test_answer_vote_reads_its_samples_confidence_from_the_draw(client: openai.OpenAI) -> None:
+    """A served confidence filter on a real model: every sample carries its tokens' top-20 confidences from the
+    draw (driven on the decode thread), the more confident half votes, and the reply is a sample of the winner."""
+    r = client.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": "What is 7 + 5? Answer with a number."}],
+        max_tokens=24, seed=3,
+        extra_body={"ensemble": {"strategy": "answer_vote", "members": [LLAMA], "samples": 4, "answer": "number",
+                                 "confidence_by": "lowest_window", "window": 8, "keep": 0.5, "trace": True}})
+    trace = r.model_extra["ensemble"]
+    conf = trace["confidence"]["by_sample"]
+    assert len(conf) == 4 and all(c > 0 for c in conf) and sum(trace["confidence"]["voted"]) == 2
+    kept = [s for s, v in zip(trace["samples"], trace["confidence"]["voted"]) if v]
+    assert min(c for c, v in zip(conf, trace["confidence"]["voted"]) if v) >= max(
+        c for c, v in zip(conf, trace["confidence"]["voted"]) if not v)
+    if trace["winner"]["answer"]:
+        assert trace["winner"]["answer"] in {s["canonical"] for s in kept}
+    assert r.choices[0].message.content in {s["text"] for s in trace["samples"]}
