@@ -167,6 +167,14 @@ def check_rule(p: AnswerVoteParams, models: list[str]) -> Verifier | None:
     if p.verifier is not None and not uses_verifier:
         raise InvalidRequest("a verifier is read only by weigh: verifier or pick: verifier; set one of them, or "
                              "leave verifier out.", param="ensemble.verifier")
+    given = p.model_fields_set
+    unread = [f for f, read in (("window", p.confidence_by in ("lowest_window", "bottom_10")),
+                                ("tail", p.confidence_by == "tail"), ("top_logprobs", by or p.verifier is not None))
+              if f in given and not read]
+    if unread:
+        raise InvalidRequest(f"{unread[0]} is read only by a confidence measure that uses it (window: lowest_window, "
+                             "bottom_10; tail: tail; top_logprobs: any, or a verifier); leave it out or set "
+                             "confidence_by.", param=f"ensemble.{unread[0]}")
     if p.stop != "none" and not (p.keep == 1 and p.weigh == "none" and p.pick == "vote"):
         raise InvalidRequest(f"stop: {p.stop} counts plain votes between batches; with keep, weigh or pick every "
                              "sample is drawn first (stop: none).", param="ensemble.stop")

@@ -244,6 +244,9 @@ def test_served_verifier_picks_and_weighs(client: openai.OpenAI, tmp_path: Path,
     ({"verifier": "missing", "pick": "verifier"}, "ensemble.verifier", "No verifier artifact"),
     ({"verifier": "../../etc", "pick": "verifier"}, "ensemble.verifier", "must name an artifact inside"),
     ({"confidence_by": "tail", "keep": 0.5, "stop": "beta", "samples": 8}, "ensemble.stop", "stop: none"),
+    ({"top_logprobs": 5}, "ensemble.top_logprobs", "read only by"),  # never accepted and ignored
+    ({"confidence_by": "tail", "keep": 0.5, "window": 16}, "ensemble.window", "read only by"),
+    ({"confidence_by": "lowest_window", "keep": 0.5, "tail": 16}, "ensemble.tail", "read only by"),
 ])
 def test_bad_confidence_rules_are_400s_naming_the_field(client: openai.OpenAI, ensemble: dict[str, Any], param: str,
                                                          words: str) -> None:
