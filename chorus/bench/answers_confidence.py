@@ -151,7 +151,7 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
 def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None, greedy_of: str | None = None
                ) -> Callable[[Item], Outcome]:
     """Every model's first k samples in one decision (plain: ties to the first seen), with ``greedy_of``'s greedy
-    answer as one more sample first (a replay-only reference: `answer_vote` draws every member's samples alike)."""
+    answer as one more sample first (`answer_vote`'s ``greedy: true``)."""
     def run(it: Item) -> Outcome:
         samples: list[Sample] = []
         models: list[str] = []
@@ -199,7 +199,7 @@ def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str
         (f"{large}: plain majority of {k_large} samples", pooled_row(one, Rule())),
         (f"{large}: verifier pick over {k_large} samples (no confidence)", pooled_row(one, Rule(pick="verifier"),
                                                                                     v_one)),
-        (f"{large}: plain majority of its greedy answer + {k_large} samples (replay only)",
+        (f"{large}: plain majority of its greedy answer + {k_large} samples (greedy: true)",
          pooled_row(one, Rule(), greedy_of=large)),
         (f"both: plain majority of {k_large} + {k_small} samples", pooled_row(both, Rule())),
         (f"both: verifier pick over {k_large} + {k_small} samples (no confidence)",

@@ -9,7 +9,9 @@ the higher mean token log-probability, then to the answer seen first; the reply 
 winning answer's most likely sample, so the user sees its reasoning. With ``n`` > 1 the choices are the best
 sample of each answer in vote order, then the other samples.
 
-One member with ``samples: k`` is the classic self-consistency of one model (Wang et al. 2023); several members
+With ``greedy``, each member's greedy answer (one request at temperature 0, beside the first batch) votes too, as
+one more sample, seen first. One member with ``samples: k`` is the classic self-consistency of one model (Wang
+et al. 2023); several members
 vote together. The trace lists every sample (member, extracted and canonical answer, mean log-probability,
 tokens), the histogram, how many samples were drawn and why sampling stopped.
 """
@@ -87,6 +89,8 @@ class AnswerVoteParams(DrawParams):
     tail: int = Field(default=64, ge=1, le=8192, description="the last tokens the tail measure reads")
     top_logprobs: int = Field(default=20, ge=1, le=20, description="k of the token confidence (top-k log-probs)")
     verifier: str | None = Field(default=None, description="a verifier trained by `chorus train verifier`")
+    greedy: bool = Field(default=False, description=(
+        "each member's greedy answer (temperature 0) votes too, as one more sample, first"))
 
     def rule(self) -> Rule:
         return Rule(self.confidence_by, self.keep, self.weigh, self.pick, self.window, self.tail)
@@ -107,18 +111,21 @@ class Drawer:
                          if p.instruction else None)
         self.seed = call.sampling({}).seed
         self.samples: dict[str, list[Sample]] = {}
+        self.greedy: dict[str, Sample] = {}  # each member's greedy answer, with ``greedy: true``
 
-    async def draw(self, m: Member, count: int) -> list[Sample]:
-        """``count`` more samples of member ``m`` (one request of n = count); none when the member failed (its
-        error is in the trace, or raised with ``on_member_error: fail``)."""
+    async def draw(self, m: Member, count: int, greedy: bool = False) -> list[Sample]:
+        """``count`` more samples of member ``m`` (one request of n = count), or its greedy answer; none when the
+        member failed (its error is in the trace, or raised with ``on_member_error: fail``)."""
         have = len(self.samples.setdefault(m.label, []))
         # log-probabilities break ties; a member whose engine does not relay them (a remote worker) votes without
         # them (its samples tie-break as first seen) rather than failing the request
         over: dict[str, Any] = {"n": count, "logprobs": getattr(m.engine, "relays_logprobs", True),
                                 "top_logprobs": self.top}
-        if m.spec.temperature is None and self.p.temperature is not None:
+        if greedy:
+            over["temperature"] = 0.0
+        elif m.spec.temperature is None and self.p.temperature is not None:
             over["temperature"] = self.p.temperature
-        if self.seed is not None and m.spec.seed is None:
+        if self.seed is not None and m.spec.seed is None and not greedy:
             over["seed"] = self.seed + 1000 * m.index + have  # every sample its own draw
         gen = await self.call.generate(m, self.messages, **over)
         if gen is None:
@@ -128,7 +135,10 @@ class Drawer:
         new = [Sample(m.label, c.text, a, k, mean_logprob([t.logprob for t in c.logprobs or []]),
                       len(c.token_ids), c.finish_reason, per_token=self.per_token(c.logprobs))
                for c, a, k in zip(gen.choices, answers, canon)]
-        self.samples[m.label].extend(new)
+        if greedy:
+            self.greedy[m.label] = new[0]
+        else:
+            self.samples[m.label].extend(new)
         return new
 
     def per_token(self, logprobs: list[Any] | None) -> Tokens | None:
@@ -137,12 +147,14 @@ class Drawer:
         return Tokens([t.logprob for t in logprobs], [token_confidence([x.logprob for x in t.top]) for t in logprobs])
 
     def all(self) -> list[Sample]:
-        return [s for ss in self.samples.values() for s in ss]
+        """Every sample: the greedy answers first (a tie goes to the answer seen first), then the samples."""
+        return [*self.greedy.values(), *(s for ss in self.samples.values() for s in ss)]
 
     def trace(self, t: Tally, stopped: str) -> dict[str, Any]:
         return {"answer_type": self.kind, "answer_rule": self.rule, "samples": [
             {"member": s.member, "answer": s.answer, "canonical": s.canonical, "mean_logprob": s.mean_logprob,
-             "tokens": s.tokens, "finish_reason": s.finish_reason, "text": s.text} for s in self.all()],
+             "tokens": s.tokens, "finish_reason": s.finish_reason, "text": s.text,
+             **({"greedy": True} if any(s is g for g in self.greedy.values()) else {})} for s in self.all()],
             "histogram": dict(t.ranked()), "drawn": t.drawn, "abstained": t.abstained, "stopped": stopped,
             **({"text_matches": self.canon.how} if self.kind == "text" else {})}
 
@@ -221,13 +233,16 @@ class AnswerVote(Strategy):
                                  param="ensemble.verifier" if p.confidence_by == "none" else "ensemble.confidence_by")
         self.top = p.top_logprobs if reads else 0
 
+    def per_member(self) -> int:
+        return self.params.samples + (1 if self.params.greedy else 0)
+
     def budget(self) -> Budget:
-        return Budget(candidates=self.params.samples * len(self.members))
+        return Budget(candidates=self.per_member() * len(self.members))
 
     def precheck(self, call: Call) -> None:
         super().precheck(call)
-        if call.n > self.params.samples * len(self.members):
-            raise InvalidRequest(f"n={call.n} exceeds the {self.params.samples * len(self.members)} samples this "
+        if call.n > self.per_member() * len(self.members):
+            raise InvalidRequest(f"n={call.n} exceeds the {self.per_member() * len(self.members)} samples this "
                                  "ensemble draws.", param="n")
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
@@ -236,10 +251,13 @@ class AnswerVote(Strategy):
         alive = list(self.members)
         stopped = ""
         t = Tally()
+        first = p.greedy  # the greedy answers are drawn beside the first batch
         while alive:
             left = {m.label: p.samples - len(d.samples.get(m.label, [])) for m in alive}
             with spans.step("vote.batch", chorus__drawn=len(d.all())):
-                got = await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive))
+                greedy = [d.draw(m, 1, greedy=True) for m in alive] if first else []
+                got = (await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive), *greedy))[:len(alive)]
+                first = False
             alive = [m for m, new in zip(alive, got) if new and len(d.samples[m.label]) < p.samples]
             t = tally(d.all(), self.weights, p.unfinished)
             remaining = sum(self.weights[m.label] * (p.samples - len(d.samples[m.label])) for m in alive)

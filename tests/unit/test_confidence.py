@@ -360,3 +360,15 @@ def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypa
     table = capsys.readouterr().out
     both = next(r for r in table.splitlines() if r.startswith("| both: plain majority of 4 + 8 samples"))
     assert "| 100.0 [" in both and "| +50.0 [" in both and "| 12.0 |" in both
+
+
+def test_greedy_true_adds_each_members_greedy_answer_as_one_more_vote(client: openai.OpenAI) -> None:
+    r = ask(client, {"members": ["doubt", "sharp"], "samples": 2, "greedy": True, "temperature": 0.7})
+    trace = r.model_extra["ensemble"]
+    assert trace["drawn"] == 6 and [s.get("greedy", False) for s in trace["samples"]][:2] == [True, True]
+    assert sum(s.get("greedy", False) for s in trace["samples"]) == 2
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "How many?"}], n=4,
+                                       extra_body={"ensemble": {"strategy": "answer_vote", "members": ["sharp"],
+                                                                "samples": 2, "greedy": True}})
+    assert isinstance(err.value.body, dict) and "exceeds the 3 samples" in err.value.body["message"]
