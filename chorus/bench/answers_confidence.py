@@ -114,6 +114,8 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
         ("same verifier: weighted vote", rule_row(m, k, Rule(weigh="verifier"), ver)),
         ("verifier without confidence (agreement, finished, length): pick", rule_row(m, k, Rule(pick="verifier"),
                                                                                       cheap)),
+        (f"plain majority of the greedy answer + {k} samples (greedy: true; the greedy answers are not scored)",
+         pooled_row({m: k}, Rule(), greedy_of=m)),
     ]
     lines = ["", f"Confidence ({m}, its first {k} samples): test n={len(te)} items whose samples are all scored "
              f"(choices on train, n={len(tr)}); the rule fitted on train: {label(fitted)}; the verifier's "
