@@ -208,6 +208,8 @@ def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str
          pooled_row(both, Rule(pick="verifier"), v_both)),
         (f"both: verifier-weighted vote over {k_large} + {k_small} samples", pooled_row(both, Rule(weigh="verifier"),
                                                                                        v_both)),
+        (f"both: plain majority of {large}'s greedy answer + {k_large} + {k_small} samples (greedy: true on it)",
+         pooled_row(both, Rule(), greedy_of=large)),
     ]
     lines = ["", f"Both models' samples together (test n={len(test)}, verifiers fitted on train n={len(train)}; "
              f"cross-validated pick on train: both {100 * v_both.training['cv']['pick_acc']:.1f}%, {large} alone "
