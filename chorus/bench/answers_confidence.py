@@ -115,7 +115,7 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
         ("verifier without confidence (agreement, finished, length): pick", rule_row(m, k, Rule(pick="verifier"),
                                                                                       cheap)),
         (f"plain majority of the greedy answer + {k} samples (greedy: true; the greedy answers are not scored)",
-         pooled_row({m: k}, Rule(), greedy_of=m)),
+         pooled_row({m: k}, Rule(), greedy=True)),
     ]
     lines = ["", f"Confidence ({m}, its first {k} samples): test n={len(te)} items whose samples are all scored "
              f"(choices on train, n={len(tr)}); the rule fitted on train: {label(fitted)}; the verifier's "
@@ -150,17 +150,20 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
     return lines
 
 
-def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None, greedy_of: str | None = None
+def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None, greedy: bool = False
                ) -> Callable[[Item], Outcome]:
-    """Every model's first k samples in one decision (plain: ties to the first seen), with ``greedy_of``'s greedy
-    answer as one more sample first (`answer_vote`'s ``greedy: true``)."""
+    """Every model's first k samples in one decision (plain: ties to the first seen); with ``greedy``, each
+    model's greedy answer first, as one more sample (`answer_vote`'s ``greedy: true``)."""
     def run(it: Item) -> Outcome:
         samples: list[Sample] = []
         models: list[str] = []
         tokens = seconds = 0.0
-        if greedy_of is not None:
-            g = it.greedy[greedy_of]
-            samples, models, tokens, seconds = list(g.samples), [greedy_of], g.tokens, g.seconds
+        for m in ks if greedy else ():
+            g = it.greedy[m]
+            samples += g.samples
+            models.append(m)
+            tokens += g.tokens
+            seconds += g.seconds
         for m, k in ks.items():
             got, t, sec = draw(it, m, k)
             samples += got
@@ -202,14 +205,14 @@ def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str
         (f"{large}: verifier pick over {k_large} samples (no confidence)", pooled_row(one, Rule(pick="verifier"),
                                                                                     v_one)),
         (f"{large}: plain majority of its greedy answer + {k_large} samples (greedy: true)",
-         pooled_row(one, Rule(), greedy_of=large)),
+         pooled_row(one, Rule(), greedy=True)),
         (f"both: plain majority of {k_large} + {k_small} samples", pooled_row(both, Rule())),
         (f"both: verifier pick over {k_large} + {k_small} samples (no confidence)",
          pooled_row(both, Rule(pick="verifier"), v_both)),
         (f"both: verifier-weighted vote over {k_large} + {k_small} samples", pooled_row(both, Rule(weigh="verifier"),
                                                                                        v_both)),
-        (f"both: plain majority of {large}'s greedy answer + {k_large} + {k_small} samples (greedy: true on it)",
-         pooled_row(both, Rule(), greedy_of=large)),
+        (f"both: plain majority of both greedy answers + {k_large} + {k_small} samples (greedy: true)",
+         pooled_row(both, Rule(), greedy=True)),
     ]
     lines = ["", f"Both models' samples together (test n={len(test)}, verifiers fitted on train n={len(train)}; "
              f"cross-validated pick on train: both {100 * v_both.training['cv']['pick_acc']:.1f}%, {large} alone "
