@@ -63,68 +63,87 @@ def plain(samples: list[Sample]) -> list[Sample]:
     return [dataclasses.replace(s, mean_logprob=None) for s in samples]
 
 
-def rule_row(m: str, k: int, rule: Rule, verifier: Verifier | None = None, first_seen: bool = False
-             ) -> Callable[[Item], Outcome]:
+def take(it: Item, m: str, k: int, with_greedy: bool = False) -> tuple[list[Sample], float, float]:
+    """``m``'s first k samples (its greedy answer first, with ``with_greedy``: `answer_vote`'s ``greedy: true``),
+    their tokens and seconds."""
+    samples, tokens, seconds = draw(it, m, k)
+    if not with_greedy:
+        return samples, tokens, seconds
+    g = it.greedy[m]
+    return [*g.samples, *samples], tokens + g.tokens, seconds + g.seconds
+
+
+def rule_row(m: str, k: int, rule: Rule, verifier: Verifier | None = None, first_seen: bool = False,
+             with_greedy: bool = False) -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
-        samples, tokens, seconds = draw(it, m, k)
+        samples, tokens, seconds = take(it, m, k, with_greedy)
         d = decide(plain(samples) if first_seen else samples, rule, None, "abstain", verifier, [m] * len(samples))
         return Outcome(same(d.answer, it.reference), len(samples), tokens, seconds)
     return run
 
 
-def scored(items: dict[int, Item], m: str, k: int) -> dict[int, Item]:
-    """Items whose first k samples of ``m`` all carry their token numbers."""
-    return {i: it for i, it in items.items()
-            if len(draw(it, m, k)[0]) >= k and all(s.per_token is not None for s in draw(it, m, k)[0])}
+def scored(items: dict[int, Item], m: str, k: int, with_greedy: bool = False) -> dict[int, Item]:
+    """Items whose first k samples of ``m`` (and its greedy answer) all carry their token numbers."""
+    return {i: it for i, it in items.items() if len(draw(it, m, k)[0]) >= k and m in it.greedy
+            and all(s.per_token is not None for s in take(it, m, k, with_greedy)[0])}
 
 
 def accuracy(items: dict[int, Item], row: Callable[[Item], Outcome]) -> float:
     return float(np.mean([o.right for o in score(items, row)])) if items else 0.0
 
 
-def fit_rule(train: dict[int, Item], m: str, k: int) -> Rule:
+def fit_rule(train: dict[int, Item], m: str, k: int, with_greedy: bool = False) -> Rule:
     rules = grid()
-    accs = [accuracy(train, rule_row(m, k, r)) for r in rules]
+    accs = [accuracy(train, rule_row(m, k, r, with_greedy=with_greedy)) for r in rules]
     return rules[max(range(len(rules)), key=lambda i: (accs[i], -i))]
 
 
-def train_verifier(train: dict[int, Item], m: str, k: int, confidence: bool) -> Verifier:
-    groups = [draw(it, m, k)[0] for _, it in sorted(train.items())]
+def train_verifier(train: dict[int, Item], m: str, k: int, confidence: bool, with_greedy: bool = False
+                   ) -> Verifier:
+    groups = [take(it, m, k, with_greedy)[0] for _, it in sorted(train.items())]
     right = [[same(s.canonical, it.reference) for s in g] for g, (_, it) in zip(groups, sorted(train.items()))]
     return fit_verifier(groups, [[m] * len(g) for g in groups], right, [m], confidence=confidence)
 
 
-def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> list[str]:
-    """The confidence section's lines for model ``m``'s first k samples."""
-    tr, te = scored(train, m, k), scored(test, m, k)
+def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int, with_greedy: bool = False
+            ) -> list[str]:
+    """The confidence section's lines for model ``m``'s first k samples (and its greedy answer)."""
+    tr, te = scored(train, m, k, with_greedy), scored(test, m, k, with_greedy)
+    what = f"its greedy answer + {k} samples (greedy: true)" if with_greedy else f"its first {k} samples"
     if not tr or not te:
-        return ["", f"Confidence: no scored samples of {m} (run `chorus eval gsm8k-score`): section skipped."]
-    fitted = fit_rule(tr, m, k)
-    ver = train_verifier(tr, m, k, confidence=True)
-    cheap = train_verifier(tr, m, k, confidence=False)
+        return ["", f"Confidence over {what}: no scored answers of {m} (run `chorus eval gsm8k-score`): skipped."]
+    fitted = fit_rule(tr, m, k, with_greedy)
+    ver = train_verifier(tr, m, k, True, with_greedy)
+    cheap = train_verifier(tr, m, k, False, with_greedy)
     base = np.array([o.right for o in score(te, greedy(m))], dtype=float)
-    maj = np.array([o.right for o in score(te, rule_row(m, k, Rule(), first_seen=True))], dtype=float)
+    maj = np.array([o.right for o in score(te, rule_row(m, k, Rule(), first_seen=True, with_greedy=with_greedy))],
+                   dtype=float)
+    n = k + with_greedy
+
+    def row(rule: Rule, verifier: Verifier | None = None, first_seen: bool = False) -> Callable[[Item], Outcome]:
+        return rule_row(m, k, rule, verifier, first_seen, with_greedy)
+
     rows: list[tuple[str, Callable[[Item], Outcome]]] = [
         (f"{m} greedy", greedy(m)),
-        (f"plain majority of {k} samples (ties: first seen)", rule_row(m, k, Rule(), first_seen=True)),
-        (f"majority of {k} samples, ties by mean log-probability (answer_vote's default)", rule_row(m, k, Rule())),
-        (f"**fitted on train**: {label(fitted)}", rule_row(m, k, fitted)),
+        (f"plain majority of {n} (ties: first seen)", row(Rule(), first_seen=True)),
+        (f"majority of {n}, ties by mean log-probability (answer_vote's default)", row(Rule())),
+        (f"**fitted on train**: {label(fitted)}", row(fitted)),
         ("verifier (agreement, confidence, finished, length; C fitted by CV on train): pick",
-         rule_row(m, k, Rule(pick="verifier"), ver)),
-        ("same verifier: weighted vote", rule_row(m, k, Rule(weigh="verifier"), ver)),
-        ("verifier without confidence (agreement, finished, length): pick", rule_row(m, k, Rule(pick="verifier"),
-                                                                                      cheap)),
-        (f"plain majority of the greedy answer + {k} samples (greedy: true; the greedy answers are not scored)",
-         pooled_row({m: k}, Rule(), greedy=True)),
+         row(Rule(pick="verifier"), ver)),
+        ("same verifier: weighted vote", row(Rule(weigh="verifier"), ver)),
+        ("verifier without confidence (agreement, finished, length): pick", row(Rule(pick="verifier"), cheap)),
     ]
-    lines = ["", f"Confidence ({m}, its first {k} samples): test n={len(te)} items whose samples are all scored "
+    if not with_greedy:
+        rows.append((f"plain majority of the greedy answer + {k} samples (greedy: true)",
+                     pooled_row({m: k}, Rule(), greedy=True)))
+    lines = ["", f"Confidence ({m}, {what}): test n={len(te)} items whose answers are all scored "
              f"(choices on train, n={len(tr)}); the rule fitted on train: {label(fitted)}; the verifier's "
              f"cross-validated pick on train {100 * ver.training['cv']['pick_acc']:.1f}% against majority "
              f"{100 * ver.training['cv']['majority_acc']:.1f}% (C = {ver.C:g}).", "",
              "| row | accuracy [95% CI] | vs greedy [95% CI] | McNemar p | vs plain majority [95% CI] | McNemar p | "
              "tokens / item | seconds / item |", "|---|---|---|---:|---|---:|---:|---:|"]
-    for name, row in rows:
-        out = score(te, row)
+    for name, make in rows:
+        out = score(te, make)
         right = np.array([o.right for o in out], dtype=float)
         lo, hi = S.accuracy_interval(right)
         d, dm = S.paired_difference(right, base), S.paired_difference(right, maj)
@@ -145,8 +164,7 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int) -> li
               "", "Every rule of the train grid on test (the spread the choice was made in; not chosen by):", "",
               "| rule | train | test |", "|---|---:|---:|"]
     for r in grid():
-        lines.append(f"| {label(r)} | {100 * accuracy(tr, rule_row(m, k, r)):.1f} | "
-                     f"{100 * accuracy(te, rule_row(m, k, r)):.1f} |")
+        lines.append(f"| {label(r)} | {100 * accuracy(tr, row(r)):.1f} | {100 * accuracy(te, row(r)):.1f} |")
     return lines
 
 
@@ -242,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"chorus bench confidence: GSM8K, {m}, answers made whole at 768 tokens; seconds modeled from tokens:")
     print("\n".join(f"- {n}" for n in notes))
     print("\n".join(section(train, test, m, k)))
+    print("\n".join(section(train, test, m, k, with_greedy=True)))
     if args.small:
         need = {m: k, args.small: args.k_small}
         tr2 = complete(load(cache, "train", [m, args.small]), need)

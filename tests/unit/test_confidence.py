@@ -342,13 +342,14 @@ def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypa
     assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
                                                       "--quiet-items", "10", "--small", ""])) == 0
     table = capsys.readouterr().out
-    assert "test n=20 items whose samples are all scored (choices on train, n=12)" in table
+    assert "test n=20 items whose answers are all scored (choices on train, n=12)" in table
     line = {r.split(" | ")[0].strip("| *"): r for r in table.splitlines() if r.startswith("| ")}
-    assert "| 0.0 [" in line["plain majority of 4 samples (ties: first seen)"]
+    assert "| 0.0 [" in line["plain majority of 4 (ties: first seen)"]
     assert "| 50.0 [" in line["m greedy"]
     fitted = next(r for r in table.splitlines() if r.startswith("| **fitted on train**"))
     assert "| 100.0 [" in fitted and "| +50.0 [" in fitted and "| +100.0 [" in fitted  # vs greedy, vs majority
     assert "pass@4: some sample right 100.0%" in table
+    assert "Confidence over its greedy answer + 4 samples (greedy: true): no scored answers of m" in table
     # a second model whose 8 samples all give the right answer: pooled, a vote over both is right everywhere
     for split, n in (("train", 12), ("test", 20)):
         rows = [{"item": i, "kind": kind, "seed": seed, "reference": "5", "seconds": 2.0 + i / 25,
