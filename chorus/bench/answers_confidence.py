@@ -70,7 +70,7 @@ def take(it: Item, m: str, k: int, with_greedy: bool = False) -> tuple[list[Samp
     if not with_greedy:
         return samples, tokens, seconds
     g = it.greedy[m]
-    return [*g.samples, *samples], tokens + g.tokens, seconds + g.seconds
+    return [*(dataclasses.replace(x, greedy=True) for x in g.samples), *samples], tokens + g.tokens, seconds + g.seconds
 
 
 def rule_row(m: str, k: int, rule: Rule, verifier: Verifier | None = None, first_seen: bool = False,
@@ -178,7 +178,7 @@ def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None,
         tokens = seconds = 0.0
         for m in ks if greedy else ():
             g = it.greedy[m]
-            samples += g.samples
+            samples += [dataclasses.replace(x, greedy=True) for x in g.samples]
             models.append(m)
             tokens += g.tokens
             seconds += g.seconds

@@ -133,7 +133,7 @@ class Drawer:
         answers = [extract_answer(c.text, self.kind, self.pattern) for c in gen.choices]
         canon = await self.canon.canon(answers)
         new = [Sample(m.label, c.text, a, k, mean_logprob([t.logprob for t in c.logprobs or []]),
-                      len(c.token_ids), c.finish_reason, per_token=self.per_token(c.logprobs))
+                      len(c.token_ids), c.finish_reason, per_token=self.per_token(c.logprobs), greedy=greedy)
                for c, a, k in zip(gen.choices, answers, canon)]
         if greedy:
             self.greedy[m.label] = new[0]
@@ -154,7 +154,7 @@ class Drawer:
         return {"answer_type": self.kind, "answer_rule": self.rule, "samples": [
             {"member": s.member, "answer": s.answer, "canonical": s.canonical, "mean_logprob": s.mean_logprob,
              "tokens": s.tokens, "finish_reason": s.finish_reason, "text": s.text,
-             **({"greedy": True} if any(s is g for g in self.greedy.values()) else {})} for s in self.all()],
+             **({"greedy": True} if s.greedy else {})} for s in self.all()],
             "histogram": dict(t.ranked()), "drawn": t.drawn, "abstained": t.abstained, "stopped": stopped,
             **({"text_matches": self.canon.how} if self.kind == "text" else {})}
 

@@ -7,6 +7,7 @@ Features of a sample, among the samples of one request (`feature_names`):
 - ``agreement``: the share of the samples with an answer that give its answer (self-consistency's signal);
 - ``finished``: 1 when it ended on its own, 0 when cut at ``max_tokens``;
 - ``log_tokens``: log(1 + its tokens);
+- ``greedy``: 1 for a member's greedy answer (``greedy: true``), 0 for a sample;
 - with ``confidence``: each measure of `confidence.MEASURES` (``mean_logprob`` floored at -10), and each minus
   the request's mean of it (``rel_*``: how sure this sample is against the others on the same question);
 - with several members: one-hot of the model that drew it (``member:MODEL``).
@@ -34,7 +35,7 @@ from chorus.errors import ConfigError
 
 ARTIFACT = "verifier.json"
 FORMAT = 1
-BASE = ("agreement", "finished", "log_tokens")
+BASE = ("agreement", "finished", "log_tokens", "greedy")
 FLOOR = -10.0  #: mean_logprob of a sample with no tokens, and the floor of any
 
 
@@ -54,7 +55,8 @@ def sample_features(samples: Sequence[Sample], models: Sequence[str], members: S
     cols: list[np.ndarray] = [
         np.array([answered.count(s.canonical) / len(answered) if s.canonical and answered else 0.0 for s in samples]),
         np.array([0.0 if s.cut else 1.0 for s in samples]),
-        np.array([math.log1p(s.tokens) for s in samples])]
+        np.array([math.log1p(s.tokens) for s in samples]),
+        np.array([1.0 if s.greedy else 0.0 for s in samples])]
     if confidence:
         if any(s.per_token is None for s in samples):
             raise ValueError("the verifier reads confidence: every sample needs its token log-probabilities")

@@ -50,6 +50,7 @@ class Sample:
     finish_reason: str = "stop"
     per_token: Tokens | None = None  # its tokens' log-probabilities and confidences (`confidence`), when read
     weight: float = 1.0  # its vote's weight on top of its member's (a confidence or a verifier's score)
+    greedy: bool = False  # drawn at temperature 0 (answer_vote's ``greedy: true``)
 
     def __post_init__(self) -> None:
         if not self.canonical:

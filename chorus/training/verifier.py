@@ -11,6 +11,7 @@ the plain majority vote's on the same folds, so what it gains (or loses) is know
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ def cached_items(root: Path, split: str, models: Sequence[str], budget: int = 76
             it = items.setdefault(r["item"], CachedItem(r["reference"]))
             got = row_samples(r, m, scores)
             if r["kind"] == "greedy":
-                it.greedy[m] = got[0]
+                it.greedy[m] = dataclasses.replace(got[0], greedy=True)
             else:
                 it.samples.setdefault(m, []).extend(got)
     return items
@@ -144,8 +145,8 @@ def main(args: argparse.Namespace) -> int:
     items = cached_items(root, args.split, args.model, args.budget, args.k)
     groups, models, right = [], [], []
     for _, it in sorted(items.items()):
-        g = request_samples(it, args.model, args.samples, greedy=False)
-        if len(g) < len(args.model) * args.samples or (args.confidence and any(s.per_token is None for s in g)):
+        g = request_samples(it, args.model, args.samples, greedy=args.greedy)
+        if len(g) < len(args.model) * (args.samples + args.greedy) or (args.confidence and any(s.per_token is None for s in g)):
             continue  # not every sample drawn (or scored) yet
         groups.append(g)
         models.append([s.member for s in g])
@@ -177,6 +178,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                    "order)")
     p.add_argument("--split", default="train", choices=["train", "test"])
     p.add_argument("--samples", type=int, default=4, help="samples per member in a request")
+    p.add_argument("--greedy", action="store_true", help="each member's greedy answer is one more sample (for an "
+                                                         "answer_vote with greedy: true)")
     p.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=True,
                    help="read the samples' confidence (needs `chorus eval gsm8k-score`)")
     p.add_argument("--window", type=int, default=64, help="tokens per window of the lowest_window measure")
