@@ -98,8 +98,9 @@ def fit_verifier(groups: list[list[Sample]], models: list[list[str]], right: lis
         raise ValueError(f"need at least {folds} items to cross-validate, got {len(groups)}")
     blocks = [sample_features(g, m, members, confidence, window, tail) for g, m in zip(groups, models)]
     ys = [np.array(r, dtype=int) for r in right]
-    majority = np.array([any(s.canonical == tally(g).winner and r for s, r in zip(g, rs)) if tally(g).winner
-                         else False for g, rs in zip(groups, right)], dtype=int)
+    winners = [tally(g).winner for g in groups]
+    majority = np.array([bool(w) and any(s.canonical == w and r for s, r in zip(g, rs))
+                         for w, g, rs in zip(winners, groups, right)], dtype=int)
     kf = KFold(folds, shuffle=True, random_state=seed)
     per_c: dict[float, np.ndarray] = {}
     for c in C_GRID:

@@ -104,26 +104,21 @@ class LlamaSession:
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        return (await self._prefill(ids, all_logits=False))[-1]
+
+    async def score(self, ids: Sequence[int]) -> torch.Tensor:
+        """A prefill that keeps every token's logits: (len(ids), V), row j the logits after ``ids[j]`` (a whole
+        prompt scored in prefill-sized chunks rather than in an extend's; never read from the prefix cache)."""
+        return await self._prefill(ids, all_logits=True)
+
+    async def _prefill(self, ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
         if self.prefilled or self.work is not None:
             raise InvalidRequest("session is already prefilled")
         if not ids:
             raise InvalidRequest("prefill needs at least one token")
         if len(ids) > self._runner.max_model_len:
             raise ContextLengthExceeded(f"prompt exceeds the context window of {self._runner.max_model_len} tokens")
-        out = await self._submit(list(ids), all_logits=False, prefill=True)
-        self.prefilled = True
-        return out[-1]
-
-    async def score(self, ids: Sequence[int]) -> torch.Tensor:
-        """A prefill that keeps every token's logits: (len(ids), V), row j the logits after ``ids[j]`` (a whole
-        prompt scored in prefill-sized chunks rather than in an extend's; never read from the prefix cache)."""
-        if self.prefilled:
-            raise InvalidRequest("session is already prefilled")
-        if not ids:
-            raise InvalidRequest("scoring needs at least one token")
-        if len(ids) > self._runner.max_model_len:
-            raise ContextLengthExceeded(f"prompt exceeds the context window of {self._runner.max_model_len} tokens")
-        out = await self._submit(list(ids), all_logits=True, prefill=True)
+        out = await self._submit(list(ids), all_logits=all_logits, prefill=True)
         self.prefilled = True
         return out
 
