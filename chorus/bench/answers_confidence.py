@@ -135,7 +135,7 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int, with_
     ]
     if not with_greedy:
         rows.append((f"plain majority of the greedy answer + {k} samples (greedy: true)",
-                     pooled_row({m: k}, Rule(), greedy=True)))
+                     pooled_row(Mix(((m, k),), (m,)), Rule())))
     lines = ["", f"Confidence ({m}, {what}): test n={len(te)} items whose answers are all scored "
              f"(choices on train, n={len(tr)}); the rule fitted on train: {label(fitted)}; the verifier's "
              f"cross-validated pick on train {100 * ver.training['cv']['pick_acc']:.1f}% against majority "
@@ -168,83 +168,110 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int, with_
     return lines
 
 
-def pooled_row(ks: dict[str, int], rule: Rule, verifier: Verifier | None = None, greedy: bool = False
-               ) -> Callable[[Item], Outcome]:
-    """Every model's first k samples in one decision (plain: ties to the first seen); with ``greedy``, each
-    model's greedy answer first, as one more sample (`answer_vote`'s ``greedy: true``)."""
-    def run(it: Item) -> Outcome:
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """What one pooled row asks for: each model's first k samples, after the greedy answers of ``greedy_of``
+    (`answer_vote`'s ``greedy: true``: each greedy answer one more sample, first)."""
+
+    ks: tuple[tuple[str, int], ...]
+    greedy_of: tuple[str, ...] = ()
+
+    def gather(self, it: Item) -> tuple[list[Sample], list[str], float, float]:
         samples: list[Sample] = []
         models: list[str] = []
         tokens = seconds = 0.0
-        for m in ks if greedy else ():
+        for m in self.greedy_of:
             g = it.greedy[m]
             samples += [dataclasses.replace(x, greedy=True) for x in g.samples]
-            models.append(m)
+            models += [m] * len(g.samples)
             tokens += g.tokens
             seconds += g.seconds
-        for m, k in ks.items():
+        for m, k in self.ks:
             got, t, sec = draw(it, m, k)
             samples += got
             models += [m] * len(got)
             tokens += t
             seconds += sec
+        return samples, models, tokens, seconds
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({*self.greedy_of, *(m for m, k in self.ks if k)})
+
+    def label(self, short: dict[str, str]) -> str:
+        parts = [f"{short[m]} greedy" for m in self.greedy_of] + [f"{short[m]} {k} samples" for m, k in self.ks if k]
+        return " + ".join(parts)
+
+
+def pooled_row(mix: Mix, rule: Rule, verifier: Verifier | None = None) -> Callable[[Item], Outcome]:
+    """The mix's answers in one decision (plain: ties to the first seen)."""
+    def run(it: Item) -> Outcome:
+        samples, models, tokens, seconds = mix.gather(it)
         d = decide(plain(samples), rule, None, "abstain", verifier, models)
-        return Outcome(same(d.answer, it.reference), len(samples), tokens, seconds, large=len(ks) > 1)
+        return Outcome(same(d.answer, it.reference), len(samples), tokens, seconds, large=len(mix.models) > 1)
     return run
 
 
-def pooled_verifier(train: dict[int, Item], ks: dict[str, int]) -> Verifier:
-    """The verifier without confidence (agreement, finished, length, model) over these models' samples."""
+def pooled_verifier(train: dict[int, Item], mix: Mix, members: list[str], confidence: bool) -> Verifier:
+    """The verifier over the mix's answers (features as `chorus train verifier`'s), fitted on train."""
     groups, models, right = [], [], []
     for _, it in sorted(train.items()):
-        g, ms = [], []
-        for m, k in ks.items():
-            got = draw(it, m, k)[0]
-            g += got
-            ms += [m] * len(got)
+        g, ms, _, _ = mix.gather(it)
         groups.append(g)
         models.append(ms)
         right.append([same(s.canonical, it.reference) for s in g])
-    return fit_verifier(groups, models, right, list(ks), confidence=False)
+    return fit_verifier(groups, models, right, members, confidence=confidence)
 
 
-def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str, k_small: int, k_large: int
-           ) -> list[str]:
-    """Both models' samples together against the larger model alone, at their modeled seconds (equal cost is read
-    off the seconds column): plain votes and the verifier without confidence (the smaller model's answers are not
-    scored), on every test item."""
-    both = {large: k_large, small: k_small}
-    one = {large: k_large}
-    v_both, v_one = pooled_verifier(train, both), pooled_verifier(train, one)
+def all_scored(items: dict[int, Item], mixes: list[Mix]) -> dict[int, Item]:
+    """The items whose answers in every mix carry their token numbers."""
+    return {i: it for i, it in items.items() if all(s.per_token is not None for x in mixes for s in x.gather(it)[0])}
+
+
+def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str, k_small: int, k_large: int,
+           confidence: bool) -> list[str]:
+    """Both models' answers together against the larger model alone, at their modeled seconds: plain votes and
+    the verifier (with the answers' confidence, or without it: agreement, finished, length, greedy, model).
+    Equal cost: each two-model row against the best one-model row that costs no more seconds an item."""
+    short = {large: "L", small: "S"}
+    one = [Mix(((large, k_large),)), Mix(((large, k_large),), (large,))]
+    two = [Mix(((large, 0), (small, k_small)), (large,)), Mix(((large, k_large), (small, k_small))),
+           Mix(((large, k_large), (small, k_small)), (large, small))]
+    what = "with confidence" if confidence else "without confidence"
+    rows: list[tuple[str, bool, Callable[[Item], Outcome]]] = [("L greedy", False, greedy(large))]
+    for mix in one + two:
+        pair = mix in two
+        v = pooled_verifier(train, mix, mix.models, confidence)
+        name = mix.label(short)
+        rows += [(f"{name}: plain majority", pair, pooled_row(mix, Rule())),
+                 (f"{name}: verifier pick ({what})", pair, pooled_row(mix, Rule(pick="verifier"), v)),
+                 (f"{name}: verifier-weighted vote", pair, pooled_row(mix, Rule(weigh="verifier"), v))]
     base = np.array([o.right for o in score(test, greedy(large))], dtype=float)
-    rows: list[tuple[str, Callable[[Item], Outcome]]] = [
-        (f"{large} greedy", greedy(large)),
-        (f"{large}: plain majority of {k_large} samples", pooled_row(one, Rule())),
-        (f"{large}: verifier pick over {k_large} samples (no confidence)", pooled_row(one, Rule(pick="verifier"),
-                                                                                    v_one)),
-        (f"{large}: plain majority of its greedy answer + {k_large} samples (greedy: true)",
-         pooled_row(one, Rule(), greedy=True)),
-        (f"both: plain majority of {k_large} + {k_small} samples", pooled_row(both, Rule())),
-        (f"both: verifier pick over {k_large} + {k_small} samples (no confidence)",
-         pooled_row(both, Rule(pick="verifier"), v_both)),
-        (f"both: verifier-weighted vote over {k_large} + {k_small} samples", pooled_row(both, Rule(weigh="verifier"),
-                                                                                       v_both)),
-        (f"both: plain majority of both greedy answers + {k_large} + {k_small} samples (greedy: true)",
-         pooled_row(both, Rule(), greedy=True)),
-    ]
-    lines = ["", f"Both models' samples together (test n={len(test)}, verifiers fitted on train n={len(train)}; "
-             f"cross-validated pick on train: both {100 * v_both.training['cv']['pick_acc']:.1f}%, {large} alone "
-             f"{100 * v_one.training['cv']['pick_acc']:.1f}%):", "",
-             f"| row | accuracy [95% CI] | vs {large} greedy [95% CI] | McNemar p | samples / item | seconds / item |",
-             "|---|---|---|---:|---:|---:|"]
-    for name, row in rows:
+    lines = ["", f"Both models together, verifiers {what} (L = {large}, S = {small}; test n={len(test)}, each "
+             f"verifier fitted on train n={len(train)}); equal cost: each two-model row against the best one-model "
+             "row that costs no more seconds an item:", "",
+             "| row | accuracy [95% CI] | vs L greedy [95% CI] | McNemar p | samples / item | seconds / item | "
+             "vs the best one-model row at no more seconds [95% CI] | McNemar p |",
+             "|---|---|---|---:|---:|---:|---|---:|"]
+    done: list[tuple[np.ndarray, float, str]] = []  # one-model rows: right, seconds, name
+    for name, pair, row in rows:
         out = score(test, row)
         right = np.array([o.right for o in out], dtype=float)
+        sec = float(np.mean([o.seconds for o in out]))
         lo, hi = S.accuracy_interval(right)
         d = S.paired_difference(right, base)
-        lines.append(f"| {name} | {100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {100 * d.delta:+.1f} "
-                     f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | "
-                     f"{np.mean([o.samples for o in out]):.1f} | {np.mean([o.seconds for o in out]):.1f} |")
+        line = (f"| {name} | {100 * right.mean():.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {100 * d.delta:+.1f} "
+                f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | "
+                f"{np.mean([o.samples for o in out]):.1f} | {sec:.1f} |")
+        if not pair:
+            done.append((right, sec, name))
+            lines.append(line + " | |")
+            continue
+        peers = [x for x in done if x[1] <= sec]
+        r1, _, n1 = max(peers, key=lambda x: x[0].mean())
+        e = S.paired_difference(right, r1)
+        lines.append(line + f" {100 * e.delta:+.1f} [{100 * e.low:+.1f}, {100 * e.high:+.1f}] vs {n1} | "
+                     f"{e.p_mcnemar:.3g} |")
     return lines
 
 
@@ -269,7 +296,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"\nBoth models: no items with {need} samples cached: section skipped.")
             return 0
         model_seconds({i: it for i, it in te2.items() if i < args.quiet_items}, [tr2, te2], [m, args.small])
-        print("\n".join(pooled(tr2, te2, args.small, m, args.k_small, k)))
+        print("\n".join(pooled(tr2, te2, args.small, m, args.k_small, k, confidence=False)))
+        # with confidence: on the items whose every answer is scored (the smaller model's may be scored in part)
+        widest = [Mix(((m, k), (args.small, args.k_small)), (m, args.small))]
+        tr3, te3 = all_scored(tr2, widest), all_scored(te2, widest)
+        if len(tr3) == len(tr2) and te3:
+            print("\n".join(pooled(tr3, te3, args.small, m, args.k_small, k, confidence=True)))
+        else:
+            print(f"\nBoth models with confidence: {len(tr3)} of {len(tr2)} train and {len(te3)} of {len(te2)} test "
+                  "items have every answer scored (`chorus eval gsm8k-score`): section skipped.")
     return 0
 
 

@@ -359,8 +359,22 @@ def test_train_verifier_and_bench_confidence_on_a_cache(tmp_path: Path, monkeypa
     assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
                                                       "--quiet-items", "10", "--small", "s"])) == 0
     table = capsys.readouterr().out
-    both = next(r for r in table.splitlines() if r.startswith("| both: plain majority of 4 + 8 samples"))
+    both = next(r for r in table.splitlines() if r.startswith("| L 4 samples + S 8 samples: plain majority"))
     assert "| 100.0 [" in both and "| +50.0 [" in both and "| 12.0 |" in both
+    # equal cost: against the best one-model row that costs no more (m's verifier picks its sure sample: 100%)
+    assert "| +0.0 [+0.0, +0.0] vs L 4 samples: verifier pick (without confidence) | 1 |" in both
+    assert "Both models with confidence: 0 of 12 train and 0 of 20 test items have every answer scored" in table
+    for split, n in (("train", 12), ("test", 20)):  # every answer scored: the section with confidence
+        lines = [{"item": i, "kind": kind, "seed": seed, "choice": c, "budget": 768, "k": 20, "lp": [-0.2] * 6,
+                  "conf": [5.0] * 6} for i in range(n) for kind, seed, count in
+                 (("greedy", None, 1), ("sample", 1, 4), ("sample", 2, 4)) for c in range(count)]
+        (tmp_path / "c" / split / "s.scored.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+        with (tmp_path / "c" / split / "m.scored.jsonl").open("a") as f:
+            f.writelines(json.dumps({**r, "kind": "greedy", "seed": None}) + "\n" for r in lines[:n * 9:9])
+    assert answers_confidence.main(parser.parse_args(["--cache", str(tmp_path / "c"), "--model", "m",
+                                                      "--quiet-items", "10", "--small", "s"])) == 0
+    table = capsys.readouterr().out
+    assert "Both models together, verifiers with confidence" in table and "test n=20, each verifier" in table
 
 
 def test_greedy_true_adds_each_members_greedy_answer_as_one_more_vote(client: openai.OpenAI) -> None:
