@@ -103,12 +103,14 @@ def serve(cfg: dict[str, Any], tmp: Path, n: int = 2) -> Iterator[list[str]]:
     """``n`` chorus serve processes with this config; yields their base URLs."""
     path = tmp / f"config-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    procs, urls = [], []
-    for _ in range(n):
+    procs, urls, logs = [], [], []
+    for i in range(n):
         port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(path), "--port",
-                                       str(port), "--log-level", "warning"], env={**os.environ},
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        logs.append(tmp / f"serve-{path.stem}-{i}.log")  # its stderr: what a process that will not stop said
+        with logs[-1].open("wb") as err:
+            procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(path), "--port",
+                                           str(port), "--log-level", "warning"], env={**os.environ},
+                                          stdout=subprocess.DEVNULL, stderr=err))
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for u, p in zip(urls, procs):
@@ -117,8 +119,15 @@ def serve(cfg: dict[str, Any], tmp: Path, n: int = 2) -> Iterator[list[str]]:
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=60)
+        stuck = []
+        for p, log in zip(procs, logs):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()  # never left running; the failure says what it printed
+                p.wait()
+                stuck.append(f"pid {p.pid}: {log.read_text(errors='replace')[-2000:]}")
+        assert not stuck, "chorus serve did not stop within 60 s of SIGTERM:\n" + "\n".join(stuck)
 
 
 def up(url: str) -> bool:
