@@ -297,11 +297,13 @@ def main(args: argparse.Namespace) -> int:
             return 0
         model_seconds({i: it for i, it in te2.items() if i < args.quiet_items}, [tr2, te2], [m, args.small])
         print("\n".join(pooled(tr2, te2, args.small, m, args.k_small, k, confidence=False)))
-        # with confidence: on the items whose every answer is scored (the smaller model's may be scored in part)
-        widest = [Mix(((m, k), (args.small, args.k_small)), (m, args.small))]
+        # with confidence: the smaller model's first --k-small-confidence samples, on the items whose every answer
+        # is scored (`chorus eval gsm8k-score --samples N` scores only those)
+        ks = args.k_small_confidence
+        widest = [Mix(((m, k), (args.small, ks)), (m, args.small))]
         tr3, te3 = all_scored(tr2, widest), all_scored(te2, widest)
         if len(tr3) == len(tr2) and te3:
-            print("\n".join(pooled(tr3, te3, args.small, m, args.k_small, k, confidence=True)))
+            print("\n".join(pooled(tr3, te3, args.small, m, ks, k, confidence=True)))
         else:
             print(f"\nBoth models with confidence: {len(tr3)} of {len(tr2)} train and {len(te3)} of {len(te2)} test "
                   "items have every answer scored (`chorus eval gsm8k-score`): section skipped.")
@@ -316,5 +318,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", default="qwen2.5-coder-0.5b-instruct-llama",
                    help="a second model whose samples join (empty: none)")
     p.add_argument("--k-small", type=int, default=8, help="its samples per item")
+    p.add_argument("--k-small-confidence", type=int, default=4,
+                   help="its samples per item where the verifiers read confidence (those scored)")
     p.add_argument("--quiet-items", type=int, default=30,
                    help="test items drawn on an otherwise idle machine (0 .. N-1): what the seconds are fitted on")

@@ -83,6 +83,15 @@ def main(args: argparse.Namespace) -> int:
         if args.items is not None:
             todo = [(r, c) for r, c in todo if r["item"] < args.items]
         todo = [(r, c) for r, c in todo if r["kind"] in args.kind]
+        if args.samples is not None:  # each item's first N samples (seed order, as `chorus bench answers` reads them)
+            seen: dict[int, int] = {}
+            first = set()
+            for i, seed, c in sorted((r["item"], r["seed"] or 0, c) for r in rows if r["kind"] == "sample"
+                                     for c in range(len(r["choices"]))):
+                seen[i] = seen.get(i, 0) + 1
+                if seen[i] <= args.samples:
+                    first.add((i, seed, c))
+            todo = [(r, c) for r, c in todo if r["kind"] != "sample" or (r["item"], r["seed"] or 0, c) in first]
         print(f"{args.split} {model}: {len(todo)} answers to score (top {args.k})", file=sys.stderr, flush=True)
         if not todo:
             continue
@@ -116,5 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", type=int, default=None, help="only items below this index")
     p.add_argument("--kind", action="append", choices=["sample", "greedy"], default=None,
                    help="only these answers (repeat; default: both)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="only each item's first N samples (default: all; greedy answers as --kind says)")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight")
     p.add_argument("--timeout", type=float, default=1800.0)

@@ -275,7 +275,9 @@ def test_eval_gsm8k_score_scores_each_answer_once(tmp_path: Path, monkeypatch: p
     rows = [{"item": 0, "kind": "greedy", "seed": None, "temperature": 0.0, "reference": "42", "seconds": 1.0,
              "choices": [{"text": "abc", "finish_reason": "length", "answer": "", "tokens": 3}]},
             {"item": 0, "kind": "sample", "seed": 5, "temperature": 0.7, "reference": "42", "seconds": 1.0,
-             "choices": [{"text": "xyz", "finish_reason": "stop", "answer": "", "tokens": 3}]}]
+             "choices": [{"text": "xyz", "finish_reason": "stop", "answer": "", "tokens": 3}]},
+            {"item": 0, "kind": "sample", "seed": 6, "temperature": 0.7, "reference": "42", "seconds": 1.0,
+             "choices": [{"text": "uv", "finish_reason": "stop", "answer": "", "tokens": 2}] * 2}]
     (cache / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (cache / "m.continued.jsonl").write_text(json.dumps({"item": 0, "kind": "greedy", "seed": None, "choice": 0,
                                                          "budget": 768, "text": "de", "finish_reason": "stop",
@@ -290,12 +292,13 @@ def test_eval_gsm8k_score_scores_each_answer_once(tmp_path: Path, monkeypatch: p
                                                    "--cache", str(tmp_path / "c"), "--k", "5", *extra]))
 
     with serve_fakes({"m": engine}) as srv:
-        assert run("--kind", "sample") == 0
+        assert run("--kind", "sample", "--samples", "1") == 0
         got = [json.loads(x) for x in (cache / "m.scored.jsonl").read_text().splitlines()]
-        assert [(g["kind"], len(g["lp"])) for g in got] == [("sample", 3)]  # only what was asked
+        assert [(g["kind"], g["seed"], len(g["lp"])) for g in got] == [("sample", 5, 3)]  # only what was asked
         assert run() == 0
         got = [json.loads(x) for x in (cache / "m.scored.jsonl").read_text().splitlines()]
-        assert [(g["kind"], len(g["lp"]), g["k"]) for g in got] == [("sample", 3, 5), ("greedy", 5, 5)]  # "abcde"
+        assert [(g["kind"], len(g["lp"]), g["k"]) for g in got] == [("sample", 3, 5), ("sample", 2, 5),
+                                                                    ("sample", 2, 5), ("greedy", 5, 5)]  # "abcde"
         assert all(c > 0 for g in got for c in g["conf"]) and all(lp <= 0 for g in got for lp in g["lp"])
         sent = engine.opened
         assert run() == 0 and engine.opened == sent  # resumed: nothing left to score
