@@ -63,14 +63,46 @@ def plain(samples: list[Sample]) -> list[Sample]:
     return [dataclasses.replace(s, mean_logprob=None) for s in samples]
 
 
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """What one pooled row asks for: each model's first k samples, after the greedy answers of ``greedy_of``
+    (`answer_vote`'s ``greedy: true``: each greedy answer one more sample, first)."""
+
+    ks: tuple[tuple[str, int], ...]
+    greedy_of: tuple[str, ...] = ()
+
+    def gather(self, it: Item) -> tuple[list[Sample], list[str], float, float]:
+        samples: list[Sample] = []
+        models: list[str] = []
+        tokens = seconds = 0.0
+        for m in self.greedy_of:
+            g = it.greedy[m]
+            samples += [dataclasses.replace(x, greedy=True) for x in g.samples]
+            models += [m] * len(g.samples)
+            tokens += g.tokens
+            seconds += g.seconds
+        for m, k in self.ks:
+            got, t, sec = draw(it, m, k)
+            samples += got
+            models += [m] * len(got)
+            tokens += t
+            seconds += sec
+        return samples, models, tokens, seconds
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({*self.greedy_of, *(m for m, k in self.ks if k)})
+
+    def label(self, short: dict[str, str]) -> str:
+        parts = [f"{short[m]} greedy" for m in self.greedy_of] + [f"{short[m]} {k} samples" for m, k in self.ks if k]
+        return " + ".join(parts)
+
+
 def take(it: Item, m: str, k: int, with_greedy: bool = False) -> tuple[list[Sample], float, float]:
     """``m``'s first k samples (its greedy answer first, with ``with_greedy``: `answer_vote`'s ``greedy: true``),
     their tokens and seconds."""
-    samples, tokens, seconds = draw(it, m, k)
-    if not with_greedy:
-        return samples, tokens, seconds
-    g = it.greedy[m]
-    return [*(dataclasses.replace(x, greedy=True) for x in g.samples), *samples], tokens + g.tokens, seconds + g.seconds
+    samples, _, tokens, seconds = Mix(((m, k),), (m,) if with_greedy else ()).gather(it)
+    return samples, tokens, seconds
 
 
 def rule_row(m: str, k: int, rule: Rule, verifier: Verifier | None = None, first_seen: bool = False,
@@ -168,41 +200,6 @@ def section(train: dict[int, Item], test: dict[int, Item], m: str, k: int, with_
     return lines
 
 
-@dataclasses.dataclass(frozen=True)
-class Mix:
-    """What one pooled row asks for: each model's first k samples, after the greedy answers of ``greedy_of``
-    (`answer_vote`'s ``greedy: true``: each greedy answer one more sample, first)."""
-
-    ks: tuple[tuple[str, int], ...]
-    greedy_of: tuple[str, ...] = ()
-
-    def gather(self, it: Item) -> tuple[list[Sample], list[str], float, float]:
-        samples: list[Sample] = []
-        models: list[str] = []
-        tokens = seconds = 0.0
-        for m in self.greedy_of:
-            g = it.greedy[m]
-            samples += [dataclasses.replace(x, greedy=True) for x in g.samples]
-            models += [m] * len(g.samples)
-            tokens += g.tokens
-            seconds += g.seconds
-        for m, k in self.ks:
-            got, t, sec = draw(it, m, k)
-            samples += got
-            models += [m] * len(got)
-            tokens += t
-            seconds += sec
-        return samples, models, tokens, seconds
-
-    @property
-    def models(self) -> list[str]:
-        return sorted({*self.greedy_of, *(m for m, k in self.ks if k)})
-
-    def label(self, short: dict[str, str]) -> str:
-        parts = [f"{short[m]} greedy" for m in self.greedy_of] + [f"{short[m]} {k} samples" for m, k in self.ks if k]
-        return " + ".join(parts)
-
-
 def pooled_row(mix: Mix, rule: Rule, verifier: Verifier | None = None) -> Callable[[Item], Outcome]:
     """The mix's answers in one decision (plain: ties to the first seen)."""
     def run(it: Item) -> Outcome:
@@ -240,7 +237,7 @@ def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str
     what = "with confidence" if confidence else "without confidence"
     rows: list[tuple[str, bool, Callable[[Item], Outcome]]] = [("L greedy", False, greedy(large))]
     for mix in one + two:
-        pair = mix in two
+        pair = len(mix.models) > 1
         v = pooled_verifier(train, mix, mix.models, confidence)
         name = mix.label(short)
         rows += [(f"{name}: plain majority", pair, pooled_row(mix, Rule())),
