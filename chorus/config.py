@@ -202,6 +202,8 @@ class ApiKey(BaseModel):
     name: str = Field(min_length=1)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     models: list[str] | None = Field(default=None, description="models and ensembles it may use (default: all)")
+    inline_ensembles: bool = Field(default=True, description="may compose ensembles in a request body (over the "
+                                   "models it may use; false: only the models and named ensembles it may use)")
     team: str | None = Field(default=None, min_length=1, description="keys of one team share prefix caches "
                              "under server.prefix_cache.share: team")
     rpm: int | None = Field(default=None, ge=1, description="requests per minute")

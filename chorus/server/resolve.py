@@ -3,7 +3,8 @@
 Every route that names a model calls `resolve` (or, for a model already held, such as a token session's,
 `admit`) exactly once, before any work. It finds the target: a model, a named ensemble, or the body's inline
 ``ensemble`` (merged over a named one when both are given); checks the key's allow-list (a named ensemble is one
-name, an inline one is every model it uses), what the route needs the target to do (``use``) and the server's
+name, and a body that overrides it is checked for every model it then reaches that the named one did not; an
+inline one is the key's leave to compose and every model it reaches: members, aggregator, judge), what the route needs the target to do (``use``) and the server's
 ensemble limits; and records a `Served` on the request's context (the name served, the strategy, the prompt for
 the access log with ``server.log.prompts``; later the usage). The replies, the accounting and the access log read
 that record, and refuse a request that skipped this step; a test walks every route of the app to check that each
@@ -89,9 +90,14 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
             raise CapabilityMismatch(f"'{body.model}' is an ensemble of language models: it generates text and "
                                      "scores choices; it does not embed. Ask an embedding model (GET /v1/models: "
                                      "kind 'embedding').", param="model")
-        named = body.model in ctx.services.ensembles
-        admit(ctx, body.model if named else f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
-              uses=() if named else ensemble.strategy.models(), body=body)
+        base = ctx.services.ensembles.get(body.model)
+        if base is None:  # an inline ensemble: every model it calls, and the key's leave to compose
+            admit(ctx, f"ensemble:{ensemble.spec.strategy}", ensemble.spec.strategy,
+                  uses=reached(ensemble), body=body, inline=True)
+        else:  # a named one, its body override included: a model it did not call before is checked too
+            own = set(reached(base))
+            admit(ctx, body.model, ensemble.spec.strategy, uses=[m for m in reached(ensemble) if m not in own],
+                  body=body)
         check_limits(ctx.config.server.limits, ensemble)
         return EnsembleTarget(ensemble)
     return ModelTarget(model(ctx, body.model, use, body))
@@ -120,16 +126,45 @@ def model(ctx: Context, name: str, use: Use = "generate", body: Any = None) -> E
     return engine
 
 
-def admit(ctx: Context, name: str, strategy: str = "", uses: Iterable[str] = (), body: Any = None) -> Served:
-    """Check the key may use ``name`` (and every model an inline ensemble ``uses``), and record what serves the
-    request. The ``body``'s prompt is kept for the access log only when ``server.log.prompts`` is on."""
+def admit(ctx: Context, name: str, strategy: str = "", uses: Iterable[str] = (), body: Any = None,
+          inline: bool = False) -> Served:
+    """Check the key may use ``name`` (and every model the ensemble ``uses``), and record what serves the
+    request. An ``inline`` ensemble (``ensemble:STRATEGY``) is no name of the config: the key needs leave to
+    compose one (``inline_ensembles``) and every model it uses. The ``body``'s prompt is kept for the access log
+    only when ``server.log.prompts`` is on."""
     if ctx.principal is not None:
-        ctx.principal.authorize([name, *uses])
+        if inline:
+            ctx.principal.authorize_inline(uses)
+        else:
+            ctx.principal.authorize([name, *uses])
     prompt = None
     if body is not None and ctx.config.server.log.prompts:
         prompt = body.message_dicts() if getattr(body, "messages", None) is not None else body.prompt
     ctx.served = Served(name, strategy, prompt)
     return ctx.served
+
+
+def reached(ensemble: Ensemble) -> list[str]:
+    """Every served model ``ensemble`` can call: what its strategy declares (members, aggregator, judge ...) and
+    every model it looked up while it was built (so a strategy that forgets to declare one is still checked)."""
+    looked = getattr(ensemble.strategy.engines, "looked_up", ())
+    return list(dict.fromkeys([*ensemble.strategy.models(), *looked]))
+
+
+class Lookups(dict[str, Engine]):
+    """The served engines, remembering every name a strategy looked up (`reached`)."""
+
+    def __init__(self, engines: dict[str, Engine]) -> None:
+        super().__init__(engines)
+        self.looked_up: list[str] = []
+
+    def __getitem__(self, name: str) -> Engine:
+        self.looked_up.append(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.looked_up.append(name)
+        return super().get(name, default)
 
 
 def find_ensemble(ctx: Context, body: Any) -> Ensemble | None:
@@ -148,7 +183,7 @@ def find_ensemble(ctx: Context, body: Any) -> Ensemble | None:
                              param="ensemble" + (f".{where}" if where else "")) from None
     if base is not None and set(inline) <= {"trace"}:  # the same ensemble, its trace asked for: no rebuild
         return Ensemble(spec, base.strategy)  # (an online router's learned state lives in its strategy)
-    return Ensemble.build(spec, ctx.services.engines, name=body.model if base is not None else None)
+    return Ensemble.build(spec, Lookups(ctx.services.engines), name=body.model if base is not None else None)
 
 
 def check_limits(limits: Limits, ensemble: Ensemble) -> None:

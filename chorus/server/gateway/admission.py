@@ -19,6 +19,7 @@ import logging
 import re
 import time
 import uuid
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -189,8 +190,15 @@ async def requested_models(receive: Receive, max_bytes: int) -> list[str]:
         return []
     names = [body["model"]] if isinstance(body.get("model"), str) else []
     ensemble = body.get("ensemble")
-    members = ensemble.get("members") if isinstance(ensemble, dict) else None
-    for m in members if isinstance(members, list) else []:
+    named: list[Any] = []
+    if isinstance(ensemble, dict):
+        named += ensemble.get("members") if isinstance(ensemble.get("members"), list) else []
+        named.append(ensemble.get("aggregator"))
+    for plugin in body.get("plugins") if isinstance(body.get("plugins"), list) else []:
+        if isinstance(plugin, dict):  # the fusion plugin's panel and judge
+            named += plugin.get("analysis_models") if isinstance(plugin.get("analysis_models"), list) else []
+            named.append(plugin.get("model"))
+    for m in named:
         name = m if isinstance(m, str) else m.get("model") if isinstance(m, dict) else None
         if isinstance(name, str):
             names.append(name)

@@ -36,6 +36,7 @@ class Principal:
     tpm: int | None = None
     max_concurrent: int | None = None
     team: str | None = None  #: keys of one team may share prefix caches (``server.prefix_cache.share: team``)
+    inline_ensembles: bool = True  #: may compose ensembles in a request body (over the models it may use)
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0  # the sum over `tokens`, kept as they come and go (O(1) per request)
@@ -82,10 +83,20 @@ class Principal:
                                    f"{', '.join(sorted(self.models))}.", param="model")
 
 
+    def authorize_inline(self, names: Iterable[str]) -> None:
+        """An ensemble composed in the request body: the key needs leave to compose (``inline_ensembles``) and
+        every model the ensemble calls must be one it may use."""
+        if not self.inline_ensembles:
+            raise PermissionDenied(f"Key {self.name!r} may not compose ensembles in a request body "
+                                   "(inline_ensembles: false); name a model or a named ensemble it may use.",
+                                   param="ensemble")
+        self.authorize(names)
+
+
 class KeyStore:
     def __init__(self, keys: list[ApiKey], env_keys: str | None = None) -> None:
         self.principals = [Principal(k.name, k.sha256, frozenset(k.models) if k.models is not None else None,
-                                     k.rpm, k.tpm, k.max_concurrent, k.team) for k in keys]
+                                     k.rpm, k.tpm, k.max_concurrent, k.team, k.inline_ensembles) for k in keys]
         for i, item in enumerate(x.strip() for x in (env_keys or "").split(",")):
             if item:
                 name, _, raw = item.partition(":") if ":" in item else (f"env-{i + 1}", "", item)
