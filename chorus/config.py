@@ -35,7 +35,10 @@ class Limits(BaseModel):
     max_members: int = Field(default=16, ge=2, description="members per ensemble")
     max_rounds: int = Field(default=10, ge=0, description="exchange_of_thought rounds")
     max_candidates: int = Field(default=64, ge=1, description="candidates per ensemble request (crowd_vote: given or sampled; answer_vote, consistency_select: samples)")
-    max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503")
+    max_concurrent_requests: int = Field(default=256, ge=1, description="admission: more in flight -> 503 (under "
+                                         "contention each key gets a fair share of them: 429 past it)")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="a request body must arrive within this long "
+                                  "(408 after); it counts in flight only once read")
     max_stored_responses: int = Field(default=1000, ge=0, description="/v1/responses kept in memory (oldest "
                                       "dropped first) for GET and previous_response_id")
     max_embedding_inputs: int = Field(default=256, ge=1, description="inputs per /v1/embeddings request")

@@ -17,6 +17,7 @@ cannot be prepared while serving becomes `EngineUnavailable`)::
      │    ├── ResponseNotFound          404 code=response_not_found (/v1/responses: not stored, or dropped)
      │    ├── RequestNotFound           404 code=request_not_found  (/v1/feedback: unknown or expired id)
      │    ├── SessionBusy               409 code=session_busy       (session API: a step is in flight)
+     │    ├── BodyTimeout               408 code=request_timeout    (the body did not arrive in body_timeout_s)
      │    ├── FeedbackExists            409 code=feedback_exists    (/v1/feedback: that metric already given)
      │    ├── RequestTooLarge           413 code=request_too_large
      │    ├── RateLimited               429 rate_limit_exceeded     (retry_after: seconds; code=budget_exceeded)
@@ -142,6 +143,14 @@ class RequestTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class BodyTimeout(GatewayError):
+    """The request's body did not arrive within ``server.limits.body_timeout_s`` (a slow or stalled client)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class RateLimited(GatewayError):

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.engines.core.base import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
-from chorus.errors import EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from chorus.errors import BodyTimeout, EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
 from chorus.server.gateway.auth import Principal
 from chorus.server.gateway.context import BATCH_OWNER, STATE_KEY, Context
 from chorus.server.gateway.errors import error_response, for_path
@@ -39,6 +39,7 @@ _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 #: admission limit): the Batch API's bookkeeping, so a key whose budget stopped its batch can still read what ran
 #: (the batch's lines are the requests, each admitted and charged as a live one)
 UNMETERED = ("/v1/files", "/v1/batches")
+BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 class Gateway:
@@ -51,6 +52,8 @@ class Gateway:
         self.state = services.key_state
         self.limits = services.config.server.limits
         self.admission = services.admission
+        #: uploads stream to disk as they come (multipart), under the request's deadline, not read here first
+        self.uploads = {"/v1/files"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,8 +82,11 @@ class Gateway:
         try:
             if path.startswith(("/v1/", "/chorus/")):  # the OpenAI API and the session API
                 try:
-                    principal = await self.admit(headers, ctx, scope.get(BATCH_OWNER),
-                                                 metered=not path.startswith(UNMETERED))
+                    principal = self.authenticate(headers, ctx, scope.get(BATCH_OWNER))
+                    if scope.get("method") in BODY_METHODS and path not in self.uploads:
+                        # the body is read before the request counts in flight: a slow sender holds no slot
+                        receive = await read_body(receive, self.limits.max_body_bytes, self.limits.body_timeout_s)
+                    await self.admit(headers, ctx, principal, metered=not path.startswith(UNMETERED))
                     admitted = True
                     # the prefix caches' tenant (server/gateway/tenancy.py): set here, before any route, from the key
                     CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
@@ -95,7 +101,7 @@ class Gateway:
             await self.app(scope, receive, send_with_id)
         finally:
             if admitted:
-                self.admission.inflight -= 1
+                self.admission.give_back(principal.name if principal is not None else None)
                 INFLIGHT.dec()
                 if principal is not None and ctx.admission_id:
                     await self.state.release(principal, ctx.counted_in)
@@ -113,8 +119,9 @@ class Gateway:
                                        **({"prompt": served.prompt} if served is not None
                                           and served.prompt is not None else {})})
 
-    async def admit(self, headers: dict[str, str], ctx: Context, batch_owner: str | None = None,
-                    metered: bool = True) -> Principal | None:
+    def authenticate(self, headers: dict[str, str], ctx: Context, batch_owner: str | None = None
+                     ) -> Principal | None:
+        """The request's key (None when the server has no keys); draining refuses before anything is read."""
         if self.admission.draining:
             raise EngineUnavailable("The server is shutting down; retry on another replica.", code="draining")
         if batch_owner is not None:  # a batch's line, sent in-process by the batch runner as its key
@@ -124,9 +131,23 @@ class Gateway:
                                                      else None)
             principal = self.keys.authenticate(given) if self.keys.enabled else None
         ctx.principal = principal  # known from here on (the allow-list may answer a refusal below)
-        if self.admission.inflight >= self.limits.max_concurrent_requests:
-            raise Overloaded(f"The server is at its limit of {self.limits.max_concurrent_requests} requests in "
-                             "flight; retry shortly.", retry_after=1.0)
+        return principal
+
+    async def admit(self, headers: dict[str, str], ctx: Context, principal: Principal | None,
+                    metered: bool = True) -> None:
+        """Count the request in flight (the server's limit, the key's fair share of it, the key's own limits and
+        budget) and set its deadline."""
+        limit = self.limits.max_concurrent_requests
+        if self.admission.inflight >= limit:
+            raise Overloaded(f"The server is at its limit of {limit} requests in flight; retry shortly.",
+                             retry_after=1.0)
+        if principal is not None:
+            share = self.admission.fair_share(principal.name, limit)
+            held = self.admission.by_key.get(principal.name, 0)
+            if share is not None and held >= share:
+                raise RateLimited(f"Key {principal.name!r} holds {held} of the server's {limit} request slots, its "
+                                  f"fair share while the server is busy; retry shortly.", retry_after=1.0,
+                                  code="fair_share_exceeded")
         if principal is not None and metered:
             # the store's own id (never the client's X-Request-ID: a reused one must not merge two requests' counts)
             ctx.admission_id = uuid.uuid4().hex
@@ -144,9 +165,8 @@ class Gateway:
             timeout = min(timeout, asked)
         ctx.deadline = asyncio.get_running_loop().time() + timeout
         ctx.timeout = timeout
-        self.admission.inflight += 1
+        self.admission.take(principal.name if principal is not None else None)
         INFLIGHT.inc()
-        return principal
 
     async def unlisted(self, principal: Principal | None, path: str, receive: Receive) -> PermissionDenied | None:
         """A key over its limits or budget that asks for a model its allow-list refuses gets the allow-list's 403,
@@ -165,6 +185,35 @@ class Gateway:
         except PermissionDenied as exc:
             return exc
         return None
+
+
+async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> Receive:
+    """Read the request's body (up to one message past ``max_bytes``: the body limit inside answers the 413)
+    within ``timeout_s`` (`BodyTimeout` after), and return a ``receive`` that replays it, then waits on the
+    client as before (a disconnect still arrives)."""
+    messages: list[Message] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":
+                    break
+                size += len(message.get("body", b""))
+                if size > max_bytes or not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s "
+                          "(server.limits.body_timeout_s).") from None
+    replay = iter(messages)
+
+    async def replayed() -> Message:
+        for message in replay:
+            return message
+        return await receive()
+
+    return replayed
 
 
 async def requested_models(receive: Receive, max_bytes: int) -> list[str]:

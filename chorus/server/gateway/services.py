@@ -31,6 +31,30 @@ class Admission:
     def __init__(self) -> None:
         self.inflight = 0
         self.draining = False
+        self.by_key: dict[str, int] = {}  #: requests in flight per key (its share of the limit)
+
+    def take(self, key: str | None) -> None:
+        self.inflight += 1
+        if key is not None:
+            self.by_key[key] = self.by_key.get(key, 0) + 1
+
+    def give_back(self, key: str | None) -> None:
+        self.inflight -= 1
+        if key is not None:
+            left = self.by_key.get(key, 1) - 1
+            if left > 0:
+                self.by_key[key] = left
+            else:
+                self.by_key.pop(key, None)
+
+    def fair_share(self, key: str, limit: int) -> int | None:
+        """Under contention (half the limit or more in flight), a key may hold at most ``limit / (k + 1)``
+        requests, ``k`` the keys with work in flight, itself included: room is always left for one more tenant,
+        and no key can take the whole server. Below contention: None (no share applies)."""
+        if self.inflight < limit // 2:
+            return None
+        active = len(self.by_key) + (key not in self.by_key)
+        return max(1, limit // (active + 1))
 
 
 @dataclass
