@@ -62,6 +62,8 @@ class SessionsSection(BaseModel):
 
     idle_timeout_s: float = Field(default=60.0, gt=0, description="a session idle this long is freed")
     max_open: int = Field(default=256, ge=1, description="open sessions at most (429 beyond)")
+    max_per_key: int | None = Field(default=None, ge=1, description="sessions one key may hold on one model (default: "
+                                    "half its batch slots; all keys together: all slots but one, always)")
 
 
 class PrefixCacheSection(BaseModel):
@@ -170,6 +172,8 @@ class BatchesSection(BaseModel):
     #: lines of all batches in flight at once in this process: the share of the engines' slots batch work may take
     concurrency: int = Field(default=4, ge=1, le=1024)
     max_file_bytes: int = Field(default=200 * 2**20, ge=1024, description="largest upload (OpenAI: 200 MB)")
+    max_bytes_per_key: int = Field(default=2**30, ge=1024, description="a key's files together (uploads and its "
+                                   "batches' outputs) at most this many bytes: an upload past it is a 413")
     max_lines: int = Field(default=50_000, ge=1, description="requests per batch (OpenAI: 50,000)")
     max_completion_window_s: float = Field(default=7 * 86_400.0, gt=0, description="longest completion_window")
     #: a line claimed by a process that stops answering is claimed again after this long (its answer not kept)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chorus.engines.core.base import SEED_MAX, SEED_MIN
 from chorus.errors import InvalidRequest
 
 
@@ -26,7 +27,7 @@ class MemberSpec(BaseModel):
     system: str | None = Field(default=None, description="persona: replaces the request's system message")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class EnsembleSpec(BaseModel):

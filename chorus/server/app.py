@@ -127,7 +127,8 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         key_state=key_state(config),
         feedback=request_book(config.server.feedback, config.server.state),
         responses=ResponseStore(config.server.limits.max_stored_responses),
-        sessions=SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open),
+        sessions=SessionStore(config.server.sessions.idle_timeout_s, config.server.sessions.max_open,
+                              config.server.sessions.max_per_key),
         admin_sha256=hash_key(admin_key) if admin_key else config.server.state.admin_sha256,
     )
     if config.server.batches.enabled:

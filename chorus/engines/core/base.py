@@ -36,6 +36,11 @@ CHOICES = "choices"
 #: an embedding model (engines/embedding/engine.py): vectors for /v1/embeddings, no text
 EMBEDDINGS = "embeddings"
 
+#: a request's ``seed`` (OpenAI's: a 64-bit signed integer); the wire refuses others with a 400 naming the field
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: the largest count a request may ask for (tokens, top_k, priority ...): a 400 above, never an overflow inside
+INT_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class Constraint:

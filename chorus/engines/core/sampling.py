@@ -11,9 +11,10 @@ from chorus.engines.core.base import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator; the same seed gives the same draws."""
+    """A CPU generator; the same seed gives the same draws. Any integer is taken (seeds derived from a request's,
+    such as ``seed + choice``, may leave the 64-bit range: they wrap, as torch's own seeds do)."""
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
+    gen.manual_seed(seed % 2**64 if seed is not None else int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     return gen
 
 

@@ -17,6 +17,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from chorus.engines.core.base import INT_MAX
 from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.errors import InvalidRequest
 from chorus.server.gateway.accounting import settle
@@ -34,7 +35,7 @@ class EmbeddingsRequest(BaseModel):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=INT_MAX)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:

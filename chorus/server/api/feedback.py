@@ -28,6 +28,7 @@ from chorus.errors import (
     StoreUnavailable,
 )
 from chorus.server.gateway.context import Context, Ctx
+from chorus.server.gateway.feedback_store import book_entry
 from chorus.server.reply import json_response
 
 router = APIRouter()
@@ -86,7 +87,8 @@ async def feedback(body: FeedbackRequest, ctx: Ctx) -> Response:
 async def join(ctx: Context, body: FeedbackRequest, metric: FeedbackMetric, value: float) -> Response:
     """Find the request, check its key, mark the metric (once), and let an online router that decided it learn."""
     book = ctx.services.feedback
-    record = await book.recall(body.request_id)
+    entry = book_entry(ctx.owner, body.request_id)  # each key's ids apart: a client's X-Request-ID squats nothing
+    record = await book.recall(entry)
     keep_s = ctx.config.server.feedback.keep_s
     mine = record is not None and record["key"] == ctx.owner
     if record is not None and not mine:
@@ -98,7 +100,7 @@ async def join(ctx: Context, body: FeedbackRequest, metric: FeedbackMetric, valu
                               f"another key, or older than {keep_s:g} s (server.feedback.keep_s).",
                               param="request_id")
     assert record is not None
-    if not await book.mark(body.request_id, metric.name, value):
+    if not await book.mark(entry, metric.name, value):
         FEEDBACK.labels(metric.name, "duplicate").inc()
         raise FeedbackExists(f"The request {body.request_id!r} already has feedback on {metric.name!r}.",
                              param="metric")
@@ -111,7 +113,7 @@ async def join(ctx: Context, body: FeedbackRequest, metric: FeedbackMetric, valu
                 if await ensemble.strategy.learn(decision, metric.quality(value), record["tokens"], record["price"]):
                     learned_by = decision["ensemble"]
             except BaseException:
-                await book.unmark(body.request_id, metric.name)  # not learned: the client may send it again
+                await book.unmark(entry, metric.name)  # not learned: the client may send it again
                 raise
     FEEDBACK.labels(metric.name, "accepted").inc()
     return json_response({"object": "feedback", "request_id": body.request_id, "metric": metric.name,

@@ -4,7 +4,9 @@ key's file id is a 404 like an unknown one."""
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import FileResponse, Response
@@ -38,7 +40,15 @@ async def upload(ctx: Ctx, file: UploadFile, purpose: str = Form()) -> Response:
         raise RequestTooLarge(f"The file is over this server's limit of {limit} bytes "
                               "(server.batches.max_file_bytes).", param="file")
     name = (file.filename or "upload.jsonl")[:255]
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        raise InvalidRequest("The file's name has a control or format character; name it with printable "
+                             "characters.", param="file")
     store = await batches.open()
+    quota, held = batches.options.max_bytes_per_key, await store.stored_bytes(ctx.owner or "")
+    if held + len(data) > quota:
+        raise RequestTooLarge(f"This key's files hold {held} bytes; with this upload ({len(data)} bytes) they would "
+                              f"pass its quota of {quota} bytes (server.batches.max_bytes_per_key). Delete files "
+                              "it no longer needs (DELETE /v1/files/{id}).", param="file")
     return json_response(file_object(await store.add_file(ctx.owner or "", purpose, name, data)))
 
 
@@ -62,10 +72,17 @@ async def content(file_id: str, ctx: Ctx) -> Response:
     row = await owned(ctx, file_id)
     store = await batches_of(ctx).open()
     path = store.local_path(file_id)
+    headers = {"content-disposition": attachment(str(row["filename"]))}
     if path is not None:  # on this node's disk: streamed as it is
-        return FileResponse(path, media_type="application/jsonl", filename=str(row["filename"]))
-    return Response(await store.read(file_id), media_type="application/jsonl",
-                    headers={"content-disposition": f'attachment; filename="{row["filename"]}"'})
+        return FileResponse(path, media_type="application/jsonl", headers=headers)
+    return Response(await store.read(file_id), media_type="application/jsonl", headers=headers)
+
+
+def attachment(filename: str) -> str:
+    """A Content-Disposition for ``filename`` (RFC 6266): an ASCII ``filename`` for old clients (quotes,
+    backslashes, control and non-ASCII characters replaced) and the exact name as UTF-8 in ``filename*``."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename) or "file"
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 @router.delete("/v1/files/{file_id}", response_model=None)

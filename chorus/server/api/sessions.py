@@ -37,9 +37,10 @@ import torch
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.core.base import CACHE_SALT
+from chorus.engines.core.base import CACHE_SALT, INT_MAX
 from chorus.engines.remote.session_wire import next_token
 from chorus.errors import InvalidRequest, RateLimited, SessionBusy
+from chorus.server.gateway.accounting import settle
 from chorus.server.gateway.context import Context, Ctx
 from chorus.server.gateway.held_sessions import Held
 from chorus.server.resolve import admit, model
@@ -62,7 +63,7 @@ class OpenBody(BaseModel):
 class StepBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    token: int = Field(ge=0)
+    token: int = Field(ge=0, le=INT_MAX)
     top_k: int | None = Field(default=None, ge=1, le=1000)
 
 
@@ -70,7 +71,7 @@ class StepBodyV2(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tokens: list[int] = Field(default_factory=list, max_length=512, description="fed in order, one forward")
-    rollback: int = Field(default=0, ge=0, description="tokens to forget before feeding `tokens`")
+    rollback: int = Field(default=0, ge=0, le=INT_MAX, description="tokens to forget before feeding `tokens`")
     top_k: int | None = Field(default=None, ge=1, le=1000)
 
 
@@ -83,8 +84,9 @@ def _body(held: Held, top_k: int | None, logits: torch.Tensor) -> dict[str, Any]
 async def list_sessions(response: Response, ctx: Ctx) -> dict[str, Any]:
     store = ctx.services.sessions
     response.headers["X-Chorus-Session-API"] = API_VERSION
-    return {"object": "list", "open": len(store.held), "max_open": store.max_open,
-            "idle_timeout_s": store.idle_timeout_s, "expired": store.expired}
+    mine = [h for h in store.held.values() if h.owner == ctx.owner]  # a key sees its own sessions only
+    return {"object": "list", "open": len(mine), "max_open": store.max_open,
+            "idle_timeout_s": store.idle_timeout_s, "expired": store.expired_by.get(ctx.owner, 0)}
 
 
 @router.post("")
@@ -99,6 +101,7 @@ async def open_session(body: OpenBody, response: Response, ctx: Ctx) -> dict[str
                              f"{engine.max_model_len}.", param="prompt", code="context_length_exceeded")
     if len(store.held) >= store.max_open:
         raise RateLimited(f"{store.max_open} sessions are open on this worker; close some or retry.", retry_after=1.0)
+    check_share(ctx, body.model)
     CACHE_SALT.set(body.cache_salt)  # within the key's scope, which the gateway set (server/gateway/tenancy.py)
     session = engine.open_session()
     held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt), ctx.owner)
@@ -110,8 +113,27 @@ async def open_session(body: OpenBody, response: Response, ctx: Ctx) -> dict[str
         store.close(held.id)
         raise
     held.last_used = time.monotonic()
+    settle(ctx, body.model, {"prompt_tokens": len(body.prompt), "completion_tokens": 0})  # charged as any tokens
     response.headers["X-Chorus-Session-API"] = API_VERSION
     return _body(held, body.top_k, logits)
+
+
+def check_share(ctx: Context, name: str) -> None:
+    """A held session keeps one of its model's batch slots (``max_batch_size``) for as long as it is open, so
+    sessions may take all of a model's slots but one (a chat of any key still runs), and one key at most half of
+    them (``server.sessions.max_per_key`` sets another share, e.g. for the one key of a gateway in front):
+    429 past either."""
+    store, slots = ctx.services.sessions, ctx.config.model(name).max_batch_size
+    on_model = [h for h in store.held.values() if h.model == name]
+    mine = sum(1 for h in on_model if h.owner == ctx.owner)
+    if slots > 1 and len(on_model) >= slots - 1:
+        raise RateLimited(f"Sessions hold {len(on_model)} of {name}'s {slots} batch slots, all it lends to "
+                          "sessions (one is kept for requests); close one or retry.", retry_after=1.0,
+                          code="sessions_exhausted")
+    share = store.max_per_key if store.max_per_key is not None else max(1, (slots - 1) // 2)
+    if mine >= share:
+        raise RateLimited(f"This key holds {mine} sessions on {name}, its share of the model's {slots} batch "
+                          "slots; close one or retry.", retry_after=1.0, code="sessions_exhausted")
 
 
 @router.post("/{sid}/step")
@@ -159,6 +181,8 @@ async def _step(ctx: Context, sid: str, tokens: list[int], rollback: int,
             raise
     held.length += len(tokens)
     held.last_used = time.monotonic()
+    if tokens:  # the tokens fed are charged as prompt tokens (the key's tpm window, budget and spend)
+        settle(ctx, held.model, {"prompt_tokens": len(tokens), "completion_tokens": 0})
     return held, logits
 
 

@@ -151,6 +151,14 @@ class RedisStore:
                     break
         return out
 
+    async def stored_bytes(self, owner: str) -> int:
+        """What the key's files hold (its uploads and its batches' outputs), for its storage quota."""
+        total = 0
+        for fid in await self.r.zrange(self.k("files", owner), 0, -1):
+            size = await self.r.hget(self.k("file", fid.decode()), "bytes")
+            total += int(size or 0)
+        return total
+
     async def delete_file(self, file_id: str, owner: str) -> bool:
         if await self.file(file_id, owner) is None:
             return False

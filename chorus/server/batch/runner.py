@@ -189,7 +189,9 @@ class Runner:
             await self.fail(b, [{"code": "invalid_file", "message": f"The input file {b['input_file_id']} was deleted "
                            "before the batch started.", "param": "input_file_id", "line": None}])
             return
-        lines, errors = read_lines(await self.store.read(b["input_file_id"]), b["endpoint"], self.usable(owner), self.options.max_lines)
+        data = await self.store.read(b["input_file_id"])  # checked off the event loop: a large file blocks no one
+        lines, errors = await asyncio.to_thread(read_lines, data, b["endpoint"], self.usable(owner),
+                                                self.options.max_lines)
         if errors:
             await self.fail(b, [e.as_dict() for e in errors])
             return

@@ -115,10 +115,14 @@ class Store:
         if purpose is not None:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
         if after is not None:
-            sql += f" AND rowid {'<' if order == 'desc' else '>'} (SELECT rowid FROM files WHERE id = ?)"
-            args.append(after)
+            sql += f" AND rowid {'<' if order == 'desc' else '>'} (SELECT rowid FROM files WHERE id = ? AND owner = ?)"
+            args += [after, owner]  # another key's id reads as an unknown one
         rows = self.db.execute(f"{sql} ORDER BY rowid {order} LIMIT ?", (*args, limit)).fetchall()
         return [dict(r) for r in rows]
+
+    async def stored_bytes(self, owner: str) -> int:
+        """What the key's files hold (its uploads and its batches' outputs), for its storage quota."""
+        return int(self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ?", (owner,)).fetchone()[0])
 
     async def delete_file(self, file_id: str, owner: str) -> bool:
         gone = self.db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
@@ -151,8 +155,8 @@ class Store:
     async def batches(self, owner: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         sql, args = "SELECT * FROM batches WHERE owner = ?", [owner]
         if after is not None:
-            sql += " AND rowid < (SELECT rowid FROM batches WHERE id = ?)"
-            args.append(after)
+            sql += " AND rowid < (SELECT rowid FROM batches WHERE id = ? AND owner = ?)"
+            args += [after, owner]
         return [dict(r) for r in self.db.execute(f"{sql} ORDER BY rowid DESC LIMIT ?", (*args, limit)).fetchall()]
 
     async def open_batches(self) -> list[dict[str, Any]]:

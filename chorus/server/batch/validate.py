@@ -52,7 +52,8 @@ def read_lines(data: bytes, endpoint: str, models: Collection[str], max_lines: i
     lines: list[Line] = []
     errors: list[LineError] = []
     seen: dict[str, int] = {}
-    raw_lines = text.splitlines()
+    raw_lines = text.split("\n")  # JSONL lines end at \n only: U+2028, U+0085 ... may sit inside a string
+    raw_lines = [r.removesuffix("\r") for r in raw_lines]
     if sum(1 for r in raw_lines if r.strip()) > max_lines:
         return [], [LineError("too_many_requests", f"The file has more than {max_lines} requests, this server's "
                               "limit per batch (server.batches.max_lines).")]

@@ -9,6 +9,7 @@ from typing import Any
 
 from chorus.server.gateway import tracing
 from chorus.server.gateway.context import Context
+from chorus.server.gateway.feedback_store import book_entry
 from chorus.server.gateway.key_state import Charge, cost_of
 from chorus.server.gateway.metrics import TTFT, count_tokens
 
@@ -41,5 +42,5 @@ def keep(ctx: Context, tokens: int, price: float) -> None:
         return  # (no metric declared: no feedback can come, nothing is kept)
     served = ctx.resolved()
     decision = served.decision() if served.decision is not None else None
-    ctx.services.feedback.remember(ctx.request_id, {"key": ctx.owner, "model": served.model,
+    ctx.services.feedback.remember(book_entry(ctx.owner, ctx.request_id), {"key": ctx.owner, "model": served.model,
                         "t": time.time(), "tokens": tokens, "price": price, "decision": decision})

@@ -25,7 +25,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chorus.engines.core.base import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
-from chorus.errors import BodyTimeout, EngineUnavailable, GatewayError, InvalidRequest, Overloaded, PermissionDenied, RateLimited
+from chorus.errors import (
+    BodyTimeout,
+    EngineUnavailable,
+    GatewayError,
+    InvalidRequest,
+    Overloaded,
+    PermissionDenied,
+    RateLimited,
+)
 from chorus.server.gateway.auth import Principal
 from chorus.server.gateway.context import BATCH_OWNER, STATE_KEY, Context
 from chorus.server.gateway.errors import error_response, for_path
@@ -35,10 +43,18 @@ from chorus.server.gateway.tenancy import cache_scope, scope_secret
 
 log = logging.getLogger("chorus.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-#: paths a key reaches outside its request windows and budget (still authenticated, still under the server's
-#: admission limit): the Batch API's bookkeeping, so a key whose budget stopped its batch can still read what ran
-#: (the batch's lines are the requests, each admitted and charged as a live one)
+#: paths a key reaches outside its request windows and budget when it reads, deletes or cancels (still
+#: authenticated, still under the server's admission limit): the Batch API's bookkeeping, so a key whose budget
+#: stopped its batch can still read what ran and stop it (the batch's lines are the requests, each admitted and
+#: charged as a live one). An upload or a new batch is metered as any request (rpm, in flight, budget).
 UNMETERED = ("/v1/files", "/v1/batches")
+
+
+def metered(method: str | None, path: str) -> bool:
+    """Whether the request counts against its key's windows and budget (`UNMETERED`)."""
+    if not path.startswith(UNMETERED):
+        return True
+    return method in BODY_METHODS and not path.endswith("/cancel")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -86,7 +102,7 @@ class Gateway:
                     if scope.get("method") in BODY_METHODS and path not in self.uploads:
                         # the body is read before the request counts in flight: a slow sender holds no slot
                         receive = await read_body(receive, self.limits.max_body_bytes, self.limits.body_timeout_s)
-                    await self.admit(headers, ctx, principal, metered=not path.startswith(UNMETERED))
+                    await self.admit(headers, ctx, principal, metered=metered(scope.get("method"), path))
                     admitted = True
                     # the prefix caches' tenant (server/gateway/tenancy.py): set here, before any route, from the key
                     CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
@@ -106,7 +122,7 @@ class Gateway:
                 if principal is not None and ctx.admission_id:
                     await self.state.release(principal, ctx.counted_in)
             elapsed = time.perf_counter() - t0
-            route = path if not path.startswith("/v1/models/") else "/v1/models/{id}"
+            route = route_label(scope, path)
             LATENCY.labels(route).observe(elapsed)
             served = ctx.served  # what the route resolved (server/resolve.py), if it got that far
             model, strategy = (served.model, served.strategy) if served is not None else ("", "")
@@ -185,6 +201,21 @@ class Gateway:
         except PermissionDenied as exc:
             return exc
         return None
+
+
+def route_label(scope: Scope, path: str) -> str:
+    """The metrics' route label: the route's template (``/v1/files/{file_id}``), never the raw path (ids stay out
+    of /metrics and a client cannot grow it with paths of its own); a path no route matches is ``unmatched``."""
+    route = scope.get("route")
+    template = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if isinstance(template, str):
+        return template
+    app = scope.get("app")
+    if app is not None:  # routes served before FastAPI's routing (the fast path of the two completion routes)
+        for r in getattr(app, "routes", ()):
+            if getattr(r, "path", None) == path and "{" not in path:
+                return path
+    return "unmatched"
 
 
 async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> Receive:

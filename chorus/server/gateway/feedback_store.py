@@ -58,6 +58,12 @@ class RequestBook(Protocol):
     async def aclose(self) -> None: ...
 
 
+def book_entry(owner: str | None, request_id: str) -> str:
+    """Where a request is kept for feedback: under its key and its id, so two keys' requests under the same
+    (client-chosen) X-Request-ID never meet, and one key cannot squat another's future id."""
+    return request_id if owner is None else f"{owner}/{request_id}"
+
+
 class MemoryBook:
     def __init__(self, section: FeedbackSection) -> None:
         self.section = section

@@ -29,11 +29,13 @@ class Held:
 class SessionStore:
     """Open sessions by id; a reaper closes the ones idle past the timeout."""
 
-    def __init__(self, idle_timeout_s: float, max_open: int) -> None:
+    def __init__(self, idle_timeout_s: float, max_open: int, max_per_key: int | None = None) -> None:
         self.idle_timeout_s = idle_timeout_s
         self.max_open = max_open
+        self.max_per_key = max_per_key
         self.held: dict[str, Held] = {}
         self.expired = 0
+        self.expired_by: dict[str | None, int] = {}  #: per key (each key's listing shows its own)
         self._reaper: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -55,8 +57,10 @@ class SessionStore:
         now = time.monotonic()
         idle = [h.id for h in self.held.values() if not h.lock.locked() and now - h.last_used > self.idle_timeout_s]
         for sid in idle:
+            owner = self.held[sid].owner
             self.close(sid)
             self.expired += 1
+            self.expired_by[owner] = self.expired_by.get(owner, 0) + 1
         if idle:
             log.info("freed %d idle session(s)", len(idle))
         return len(idle)

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from chorus.config import Limits
 from chorus.engines.core.base import (
+    INT_MAX,
+    SEED_MAX,
+    SEED_MIN,
     Constraint,
     Engine,
     GenerationRequest,
@@ -44,15 +47,15 @@ class CompletionFields(FamilyFields):
     model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="extension (as vLLM): 0 or -1 = off")
+    top_k: int | None = Field(default=None, ge=-1, le=INT_MAX, description="extension (as vLLM): 0 or -1 = off")
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     ignore_eos: bool = Field(default=False, description="extension (as vLLM): keep going past EOS")
     cache_salt: str | None = Field(
@@ -60,7 +63,7 @@ class CompletionFields(FamilyFields):
         description="extension (as vLLM): a cached prompt prefix is reused only by requests with the same salt; "
                     "it narrows the key's own scope (keys never share prefixes unless server.prefix_cache.share "
                     "says so)")
-    priority: int = Field(default=0, ge=0, description="extension (as vLLM's field): 0 live (the default); above 0 "
+    priority: int = Field(default=0, ge=0, le=INT_MAX, description="extension (as vLLM's field): 0 live (the default); above 0 "
                           "batch work, which the engines queue behind every live prompt (a gateway's remote "
                           "engine sends it with Batch API lines: remote.batch_priority)")
     ensemble: dict[str, Any] | None = Field(
@@ -175,7 +178,7 @@ class CompletionFields(FamilyFields):
 
 class ChatCompletionRequest(CompletionFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -252,7 +255,7 @@ class ChatCompletionRequest(CompletionFields):
 class CompletionRequest(CompletionFields):
     operation: ClassVar[str] = "text_completion"
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 with echo: score the prompt only
+    max_tokens: int | None = Field(default=16, ge=0, le=INT_MAX)  # OpenAI's default; 0 with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from chorus.engines.core.base import INT_MAX
 from chorus.errors import InvalidRequest
 from chorus.server.wire import request as wire
 
@@ -57,12 +58,12 @@ class MessagesRequest(BaseModel):
 
     model: str = Field(min_length=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT_MAX)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, le=INT_MAX)
     metadata: dict[str, Any] | None = None
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
