@@ -89,6 +89,8 @@ class StateSection(BaseModel):
     on_failure: Literal["fail_open", "fail_closed"] = "fail_open"
     key_prefix: str = Field(default="chorus", pattern=r"^[A-Za-z0-9:_-]+$", description="prefix of every Redis key")
     timeout_s: float = Field(default=0.5, gt=0, description="one Redis call; longer counts as an outage")
+    reservation_ttl_s: float = Field(default=3600.0, ge=1, description="a request's worst case held in Redis expires "
+                                     "after this long if its replica never settles it (it died)")
     admin_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$",
                                      description="the admin key's SHA-256: GET /admin/keys/{name} (off when unset)")
 
@@ -263,11 +265,13 @@ class ChorusConfig(BaseModel):
         if unknown:
             raise ValueError(f"prices for unknown models: {', '.join(unknown)} (prices are per model; an ensemble "
                              "costs what its member calls cost)")
-        if any(k.max_budget is not None and k.budget_unit == "currency" for k in self.auth.keys):
+        currency = any(k.max_budget is not None and k.budget_unit == "currency" for k in self.auth.keys)
+        if self.prices or currency:  # a model without a price would be free: every member and judge priced
             unpriced = sorted({m.name for m in self.models} - set(self.prices))
             if unpriced:
-                raise ValueError(f"a budget in currency needs a price for every model; no price for: "
-                                 f"{', '.join(unpriced)}")
+                why = "a budget in currency needs" if currency else "with prices set, chorus needs"
+                raise ValueError(f"{why} a price for every model (an unpriced one would cost nothing); no price "
+                                 f"for: {', '.join(unpriced)}")
         return self
 
     @model_validator(mode="after")

@@ -134,6 +134,8 @@ class Call:
     #: whether the client asked for the trace: what only the trace shows (per-token agreement) is computed then
     detail: bool = True
     by_member: dict[str, Usage] = field(default_factory=dict)
+    #: the served model behind each label in ``by_member`` (members, and callers beyond them: an aggregator, a judge)
+    model_of: dict[str, str] = field(default_factory=dict)
     #: every member request made, in order (benchmarks replay them one by one)
     requests: list[tuple[Member, GenerationRequest]] = field(default_factory=list)
     #: the choices the client asked for (token-level strategies and those with ``answers_n``)
@@ -176,6 +178,7 @@ class Call:
     def record(self, member: Member, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         self.usage.add(prompt_tokens, completion_tokens, cached=cached_tokens)
         self.by_member.setdefault(member.label, Usage()).add(prompt_tokens, completion_tokens, cached=cached_tokens)
+        self.model_of[member.label] = member.spec.model
 
     async def generate(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
                        **overrides: Any) -> Generation | None:

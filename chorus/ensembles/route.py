@@ -95,5 +95,7 @@ async def run_arm(call: Call, arm: Ensemble, name: str) -> AsyncGenerator[Delta,
             call.members.append(replace(m, label=f"{name}/{m.label}"))
         for label, u in sub.by_member.items():
             call.by_member[f"{name}/{label}"] = u
+            if label in sub.model_of:  # (an arm's judge too)
+                call.model_of[f"{name}/{label}"] = sub.model_of[label]
         call.usage.add(sub.usage.prompt_tokens, sub.usage.completion_tokens, sub.usage.calls, sub.usage.cached_tokens)
         call.trace["arm_trace"] = sub.final_trace()

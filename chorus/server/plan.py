@@ -155,7 +155,7 @@ def ensemble_plan(ctx: Context, ensemble: Ensemble, req: wire.ChatCompletionRequ
 def charge_members(ctx: Context, call: Call) -> None:
     """The key is charged per member model (what each member call used), not for the ensemble's name."""
     def used() -> dict[str, tuple[int, int]]:
-        by_label = {m.label: m.spec.model for m in call.members}
+        by_label = {**{m.label: m.spec.model for m in call.members}, **call.model_of}  # the judge is its model
         out: dict[str, tuple[int, int]] = {}
         for label, u in call.by_member.items():
             model = by_label.get(label, label)

@@ -178,22 +178,23 @@ def test_tokens_and_budgets_are_shared_and_spend_is_what_clients_received(redis_
             assert r.status_code == 200, r.text
             received += r.json()["usage"]["total_tokens"]
         assert refused is not None and refused.json()["error"]["code"] == "budget_exceeded"
-        assert "max_budget 300" in refused.json()["error"]["message"] and "retry-after" in refused.headers
+        assert "300" in refused.json()["error"]["message"] and "retry-after" in refused.headers
         assert wait_until(lambda: tokens_spent(a) == received, timeout=10), (tokens_spent(a), received)
         rep = report(b)
-        assert rep["budget"]["spent"] == received >= 300 and rep["budget"]["remaining"] == 0
+        # each request's worst case is reserved before it runs (server/reserve.py): the budget is never passed
+        assert rep["budget"]["spent"] == received and 150 < received <= 300
+        assert rep["budget"]["remaining"] == 300 - received
         assert set(rep["spend"]["lifetime"]) == {"fake", "other"}  # the ensemble charged each member's model
         assert rep["spend"]["period"]["fake"]["cost"] > 0
     redis_server.flush()
     with serve(config(redis_server.url, tpm=60), tmp_path) as (a, b):
         used = 0
-        while used < 60:
-            r = ask(a)
-            assert r.status_code == 200
+        while (r := ask(a)).status_code == 200:
             used += r.json()["usage"]["total_tokens"]
-        assert wait_until(lambda: report(b)["window"]["tokens"] == used, timeout=10)
+            assert wait_until(lambda: report(b)["window"]["tokens"] == used, timeout=10)  # noqa: B023
+        assert r.status_code == 429 and "tokens per minute (tpm) of 60" in r.text and 30 < used <= 60
         r = ask(b)
-        assert r.status_code == 429 and "60 tokens per minute" in r.text
+        assert r.status_code == 429 and "tpm" in r.text
 
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
@@ -263,7 +264,8 @@ def test_feedback_records_wait_for_redis_and_none_is_lost(redis_server: Redis, t
         kept = redis.Redis(port=redis_server.port, decode_responses=True)
         assert wait_until(lambda: len(kept.keys("chorus:fb:req:*")) == len(answered), timeout=20), \
             (len(kept.keys("chorus:fb:req:*")), len(answered))
-        assert {k.removeprefix("chorus:fb:req:") for k in kept.keys("chorus:fb:req:*")} == set(answered)
+        # (kept under the key and the id: server/gateway/feedback_store.py's book_entry)
+        assert {k.removeprefix("chorus:fb:req:k/") for k in kept.keys("chorus:fb:req:*")} == set(answered)
         lost = [x for url in (a, b) for x in httpx.get(url + "/metrics").text.splitlines()
                 if x.startswith("chorus_feedback_records_lost_total ")]
         assert lost and all(float(x.split()[-1]) == 0 for x in lost)
@@ -349,7 +351,8 @@ def test_a_budget_in_currency_with_the_memory_store(tmp_path: Path) -> None:
                 break
             u = r.json()["usage"]
             spent += (u["prompt_tokens"] * 1000 + u["completion_tokens"] * 2000) / 1e6
-        assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded" and spent >= 0.05
+        # refused before it could pass the budget (its worst case reserved: server/reserve.py)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded" and 0.02 < spent <= 0.05
         rep = report(srv.url)
         assert rep["store"] == "memory" and abs(rep["budget"]["spent"] - spent) < 1e-9
         assert rep["budget"]["unit"] == "currency" and rep["budget"]["resets_in_s"] is None

@@ -23,7 +23,7 @@ KEYS = [
     {"name": "carol", "sha256": hash_key("sk-carol"), "team": "red"},
     {"name": "bravo", "sha256": hash_key("sk-bravo")},
     {"name": "narrow", "sha256": hash_key("sk-narrow"), "models": ["fake", "pair"]},
-    {"name": "broke", "sha256": hash_key("sk-broke"), "models": ["fake"], "max_budget": 1, "rpm": 1000},
+    {"name": "broke", "sha256": hash_key("sk-broke"), "models": ["fake"], "max_budget": 30, "rpm": 1000},
     {"name": "rpm", "sha256": hash_key("sk-rpm"), "models": ["fake"], "rpm": 1},
 ]
 CONFIG: dict[str, Any] = {
@@ -102,7 +102,7 @@ def test_listings_show_a_key_only_what_its_allow_list_permits(server: LiveServer
 
 
 def test_the_allow_list_answers_before_the_budget_and_the_limits(server: LiveServer) -> None:
-    broke = client(server, "sk-broke")
+    broke = client(server, "sk-broke")  # (its budget of 30 tokens holds one such request, never two)
     broke.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     with pytest.raises(openai.RateLimitError, match="budget"):  # its budget is spent: a model it may use is 429
         broke.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -116,11 +116,11 @@ def test_the_allow_list_answers_before_the_budget_and_the_limits(server: LiveSer
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": "sk-broke"},
                    json={"model": "secret-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
-    r = httpx.get(server.url + "/v1/models/secret-model", headers={"Authorization": "Bearer sk-broke"})
-    assert r.status_code == 403
     rpm = client(server, "sk-rpm")
     rpm.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     with pytest.raises(openai.RateLimitError, match="requests per minute"):
         rpm.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     with pytest.raises(openai.PermissionDeniedError):
         rpm.completions.create(model="secret-model", prompt="hi", max_tokens=4)
+    r = httpx.get(server.url + "/v1/models/secret-model", headers={"Authorization": "Bearer sk-rpm"})
+    assert r.status_code == 403  # over its rpm: the allow-list's 403, not the 429

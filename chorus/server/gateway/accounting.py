@@ -27,6 +27,9 @@ def settle(ctx: Context, model: str, usage: dict[str, Any]) -> None:
         rid = ctx.admission_id or secrets.token_hex(16)
         services.key_state.charge([Charge(f"{rid}:{m}", principal.name, m, p + c, costs[m])
                                 for m, (p, c) in used.items()])
+        if ctx.reservation is not None:  # the real usage takes the worst case's place (server/reserve.py)
+            services.key_state.unreserve(principal, ctx.reservation)
+            ctx.reservation = None
     count_tokens(model, prompt, completion)
     served.usage = {"prompt_tokens": prompt, "completion_tokens": completion}
     keep(ctx, sum(p + c for p, c in used.values()), sum(costs.values()))

@@ -35,7 +35,7 @@ from chorus.errors import (
     RateLimited,
 )
 from chorus.server.gateway.auth import Principal
-from chorus.server.gateway.context import BATCH_OWNER, STATE_KEY, Context
+from chorus.server.gateway.context import BATCH_OWNER, ROUTE_KEY, STATE_KEY, Context
 from chorus.server.gateway.errors import error_response, for_path
 from chorus.server.gateway.metrics import INFLIGHT, LATENCY, REFUSED, REQUESTS
 from chorus.server.gateway.services import Services
@@ -116,13 +116,15 @@ class Gateway:
                     return
             await self.app(scope, receive, send_with_id)
         finally:
+            if principal is not None and ctx.reservation is not None:  # never settled (failed, cancelled)
+                self.state.unreserve(principal, ctx.reservation)
             if admitted:
                 self.admission.give_back(principal.name if principal is not None else None)
                 INFLIGHT.dec()
                 if principal is not None and ctx.admission_id:
                     await self.state.release(principal, ctx.counted_in)
             elapsed = time.perf_counter() - t0
-            route = route_label(scope, path)
+            route = route_label(scope)
             LATENCY.labels(route).observe(elapsed)
             served = ctx.served  # what the route resolved (server/resolve.py), if it got that far
             model, strategy = (served.model, served.strategy) if served is not None else ("", "")
@@ -203,19 +205,12 @@ class Gateway:
         return None
 
 
-def route_label(scope: Scope, path: str) -> str:
+def route_label(scope: Scope) -> str:
     """The metrics' route label: the route's template (``/v1/files/{file_id}``), never the raw path (ids stay out
     of /metrics and a client cannot grow it with paths of its own); a path no route matches is ``unmatched``."""
     route = scope.get("route")
-    template = getattr(route, "path_format", None) or getattr(route, "path", None)
-    if isinstance(template, str):
-        return template
-    app = scope.get("app")
-    if app is not None:  # routes served before FastAPI's routing (the fast path of the two completion routes)
-        for r in getattr(app, "routes", ()):
-            if getattr(r, "path", None) == path and "{" not in path:
-                return path
-    return "unmatched"
+    template = scope.get(ROUTE_KEY) or getattr(route, "path_format", None) or getattr(route, "path", None)
+    return template if isinstance(template, str) else "unmatched"
 
 
 async def read_body(receive: Receive, max_bytes: int, timeout_s: float) -> Receive:

@@ -22,6 +22,7 @@ STATE_KEY = "chorus.context"  #: where the front door leaves the context in the 
 #: the ASGI scope key naming the key a batch line runs as (server/batch/runner.py calls the app in-process with
 #: it; a client cannot set an ASGI scope key, only headers, so it cannot pose as a batch)
 BATCH_OWNER = "chorus.batch_owner"
+ROUTE_KEY = "chorus.route"  #: the route template of a request served outside FastAPI's routing (the fast path)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Context:
     deadline: float | None = None  #: loop time after which the work is cancelled (``request_timeout_s``)
     timeout: float | None = None  #: the deadline's length in seconds (for its error message)
     served: Served | None = None  #: set by resolve
+    reservation: Any = None  #: the worst case held against the key's budget and tpm (server/reserve.py)
     http: Request | None = None  #: the HTTP request (its disconnect is watched), bound by `context`
 
     @property

@@ -33,6 +33,35 @@ class Charge:
     cost: float
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """A request's worst case, held against its key's budget and token window from admission until it is
+    settled (server/reserve.py)."""
+
+    id: str
+    tokens: int
+    cost: float
+
+    def amount(self, key: ApiKey | None) -> float:
+        """What it holds of the key's budget: its tokens, or its cost."""
+        if key is None or key.max_budget is None:
+            return 0.0
+        return float(self.tokens) if key.budget_unit == "tokens" else self.cost
+
+
+def too_costly(key: ApiKey, principal: Principal, r: Reservation, what: str, spent: float, held: float,
+               limit: float, retry_after: float | None) -> RateLimited:
+    """The refusal of a reservation: what the request may cost, what is spent and held by requests in flight."""
+    unit = "tokens" if what == "tpm" or key.budget_unit == "tokens" else "in currency"
+    cost = r.tokens if unit == "tokens" else r.cost
+    name = "its tokens per minute (tpm)" if what == "tpm" else "its budget (max_budget)"
+    return RateLimited(f"Key {principal.name!r}: this request may cost up to {cost:g} ({unit}: its prompt + "
+                       f"max_tokens x n, x the calls of an ensemble), and {name} of {limit:g} has {spent:g} spent "
+                       f"and {held:g} held by requests in flight; lower max_tokens or n, or retry later.",
+                       retry_after=retry_after if retry_after is not None else 1.0,
+                       code="rate_limit_exceeded" if what == "tpm" else "budget_exceeded")
+
+
 def cost_of(prices: dict[str, Price], model: str, prompt: int, completion: int) -> float:
     p = prices.get(model)
     return 0.0 if p is None else (prompt * p.prompt + completion * p.completion) / 1e6
@@ -59,6 +88,14 @@ class KeyState(Protocol):
         ...
 
     async def release(self, principal: Principal, where: str) -> None: ...
+
+    async def reserve(self, principal: Principal, r: Reservation) -> None:
+        """Hold ``r`` against the key's budget and tpm (or raise `RateLimited`: it would not fit)."""
+        ...
+
+    def unreserve(self, principal: Principal, r: Reservation) -> None:
+        """Drop the hold (after the request's charges, which take its place); never blocks."""
+        ...
 
     def charge(self, charges: list[Charge]) -> None:
         """Record these charges (windows, budget, spend); never blocks the response."""
@@ -94,6 +131,7 @@ class MemoryState:
         self.period: dict[str, Spend] = {}
         self.lifetime: dict[str, Spend] = {}
         self.principals: dict[str, Principal] = {}
+        self.held: dict[str, dict[str, Reservation]] = {}  #: key -> reservation id -> the reservation
 
     def _period(self, name: str, now: float) -> Spend:
         key, spend = self.keys.get(name), self.period.get(name)
@@ -124,6 +162,26 @@ class MemoryState:
 
     async def release(self, principal: Principal, where: str) -> None:
         principal.release()
+
+    async def reserve(self, principal: Principal, r: Reservation) -> None:
+        held = self.held.setdefault(principal.name, {})
+        key, now = self.keys.get(principal.name), time.monotonic()
+        if principal.tpm is not None:
+            principal._expire(now)
+            tokens = sum(x.tokens for x in held.values())
+            if principal.tokens_in_window + tokens + r.tokens > principal.tpm and key is not None:
+                oldest = principal.tokens[0][0] if principal.tokens else now
+                raise too_costly(key, principal, r, "tpm", principal.tokens_in_window, tokens, principal.tpm,
+                                 WINDOW_S - (now - oldest))
+        if key is not None and key.max_budget is not None:
+            spent, holding = self._period(principal.name, now).total, sum(x.amount(key) for x in held.values())
+            if spent + holding + r.amount(key) > key.max_budget:
+                raise too_costly(key, principal, r, "budget", spent, holding, key.max_budget,
+                                 self.resets_in(principal.name, now))
+        held[r.id] = r
+
+    def unreserve(self, principal: Principal, r: Reservation) -> None:
+        self.held.get(principal.name, {}).pop(r.id, None)
 
     def record(self, c: Charge, principal: Principal | None) -> None:
         """Count a charge in the windows and the spend (a process sees each charge once: no ids kept)."""

@@ -4,6 +4,8 @@ Keys, under ``server.state.key_prefix`` (default ``chorus``) and the key's name:
 window's request ids, scored by time), ``tok`` (the window's tokens in one-second buckets: a hash of at most
 61 fields, so a check costs the same at any request rate), ``inflight`` (a
 counter, expiring an hour after its last change so a replica that died cannot hold a slot for ever),
+``resv`` (the worst cases of requests in flight, server/reserve.py: a sorted set of ``ID|TOKENS|AMOUNT`` scored
+by when each expires, ``server.state.reservation_ttl_s``, so a replica that died holds nothing for long),
 ``spend`` (this budget period: ``total`` and ``tokens:MODEL`` / ``cost:MODEL``; it expires when the period
 ends) and ``lifetime`` (the same, never reset); ``charge:ID`` marks a charge as counted (a day).
 
@@ -30,7 +32,15 @@ from prometheus_client import Counter, Gauge
 from chorus.config import ApiKey, StateSection
 from chorus.errors import RateLimited, StoreUnavailable
 from chorus.server.gateway.auth import WINDOW_S, Principal
-from chorus.server.gateway.key_state import Charge, MemoryState, budget_amount, build_report, over_budget
+from chorus.server.gateway.key_state import (
+    Charge,
+    MemoryState,
+    Reservation,
+    budget_amount,
+    build_report,
+    over_budget,
+    too_costly,
+)
 
 log = logging.getLogger("chorus.state")
 STORE_UP = Gauge("chorus_state_store_up", "1 while the shared state store (Redis) answers")
@@ -102,6 +112,45 @@ if period > 0 and redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[
 return 1
 """
 
+RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local held_tokens, held_amount = 0, 0
+for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+  local _, _, tok, amt = string.find(m, '^[^|]*|([^|]*)|([^|]*)$')
+  held_tokens = held_tokens + tonumber(tok)
+  held_amount = held_amount + tonumber(amt)
+end
+local tokens, amount = tonumber(ARGV[4]), tonumber(ARGV[5])
+local win = tonumber(ARGV[6])
+local tpm = tonumber(ARGV[1])
+if tpm > 0 then
+  local used, oldest, sec = 0, nil, math.floor(now / 1000)
+  local buckets = redis.call('HGETALL', KEYS[1])
+  for i = 1, #buckets, 2 do
+    local s = tonumber(buckets[i])
+    if s > sec - win / 1000 then
+      used = used + tonumber(buckets[i + 1])
+      if oldest == nil or s < oldest then oldest = s end
+    end
+  end
+  if used + held_tokens + tokens > tpm then
+    return {0, 'tpm', tostring(used), tostring(held_tokens), oldest and ((oldest + win / 1000) * 1000 - now) or 1000}
+  end
+end
+local budget = tonumber(ARGV[2])
+if budget > 0 then
+  local spent = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
+  if spent + held_amount + amount > budget then
+    return {0, 'budget', tostring(spent), tostring(held_amount), redis.call('PTTL', KEYS[2])}
+  end
+end
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[7]), ARGV[3])
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[7]))
+return {1}
+"""
+
 RELEASE = """
 local n = redis.call('DECR', KEYS[1])
 if n < 0 then redis.call('SET', KEYS[1], 0) end
@@ -134,6 +183,9 @@ class RedisState:
         self._admit = self.redis.register_script(ADMIT)
         self._charge = self.redis.register_script(CHARGE)
         self._release = self.redis.register_script(RELEASE)
+        self._reserve = self.redis.register_script(RESERVE)
+        self.unreserves: list[tuple[str, str]] = []  #: holds to drop once the charges before them are written
+        self.hold_ms = 1000 * int(section.reservation_ttl_s)
         self._flushing = asyncio.Lock()
 
     def k(self, name: str, what: str) -> str:
@@ -181,6 +233,10 @@ class RedisState:
         while self.buffer:
             await self.write(self.buffer[0])
             self.buffer.pop(0)
+        while self.unreserves:  # after the charges that take their place: never a moment with neither counted
+            name, member = self.unreserves[0]
+            await self.redis.zrem(self.k(name, "resv"), member)
+            self.unreserves.pop(0)
 
     # -- the interface ---------------------------------------------------------------------------------------
     async def admit(self, principal: Principal, request_id: str) -> str:
@@ -221,6 +277,39 @@ class RedisState:
                     raise
                 self.failed("release", exc)
         self.releases.append(principal.name)
+
+    async def reserve(self, principal: Principal, r: Reservation) -> None:
+        key = self.keys.get(principal.name)
+        if self.up:
+            budget = key.max_budget if key is not None and key.max_budget is not None else 0
+            try:
+                out = await self._reserve(
+                    keys=[self.k(principal.name, "tok"), self.k(principal.name, "spend"), self.k(principal.name, "resv")],
+                    args=[principal.tpm or 0, budget, member_of(r, key), r.tokens, repr(r.amount(key)),
+                          int(WINDOW_S * 1000), self.hold_ms])
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self.failed("reserve", exc)
+            else:
+                if int(out[0]) == 1:
+                    return
+                assert key is not None
+                what, spent, held, retry = str(out[1]), float(out[2]), float(out[3]), float(out[4])
+                limit = float(principal.tpm or 0) if what == "tpm" else float(key.max_budget or 0)
+                raise too_costly(key, principal, r, what, spent, held, limit, retry / 1000 if retry > 0 else None)
+        if self.section.on_failure == "fail_closed":
+            raise StoreUnavailable("The shared rate-limit store cannot be reached and this deployment fails closed; "
+                                   "retry shortly.", retry_after=1.0)
+        await self.local.reserve(principal, r)
+
+    def unreserve(self, principal: Principal, r: Reservation) -> None:
+        self.local.unreserve(principal, r)
+        self.unreserves.append((principal.name, member_of(r, self.keys.get(principal.name))))
+        if self.up:
+            task = asyncio.get_running_loop().create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def write(self, c: Charge) -> None:
         key, principal = self.keys.get(c.key), self.local.principals.get(c.key)
@@ -293,6 +382,11 @@ class RedisState:
         if self._reconnect is not None:
             self._reconnect.cancel()
         await self.redis.aclose()
+
+
+def member_of(r: Reservation, key: ApiKey | None) -> str:
+    """A hold's member of the key's ``resv`` sorted set: ``ID|TOKENS|AMOUNT`` (scored by when it expires)."""
+    return f"{r.id}|{r.tokens}|{r.amount(key)!r}"
 
 
 def is_outage(exc: BaseException) -> bool:

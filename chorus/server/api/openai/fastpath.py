@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from chorus.server.api.openai.routes import chat_completions, completions
-from chorus.server.gateway.context import context
+from chorus.server.gateway.context import ROUTE_KEY, context
 from chorus.server.gateway.errors import error_response
 from chorus.server.reply import json_response
 from chorus.server.wire import request as wire
@@ -39,6 +39,7 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         model, handler = route
+        scope[ROUTE_KEY] = scope["path"]  # the metrics' route label (no FastAPI route is matched here)
         response: Response
         try:
             req = model.model_validate_json(await _read_body(receive))

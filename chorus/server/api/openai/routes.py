@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from chorus.server import plan
 from chorus.server.gateway.context import Context, Ctx
 from chorus.server.reply import ReplyShape, chat_reply, completion_reply
+from chorus.server.reserve import reserve
 from chorus.server.resolve import resolve
 from chorus.server.wire import request as wire
 
@@ -24,6 +25,7 @@ async def chat(ctx: Context, req: wire.ChatCompletionRequest, shape: ReplyShape 
     """A chat request, answered in OpenAI's shape or in another API's (``shape``: Responses, Messages)."""
     target = resolve(ctx, req)
     work = plan.chat(ctx, target, req)
+    await reserve(ctx, req, target, work)  # the worst case held against the key's budget and tpm
     return await chat_reply(ctx, req, work, shape)
 
 
@@ -31,4 +33,5 @@ async def chat(ctx: Context, req: wire.ChatCompletionRequest, shape: ReplyShape 
 async def completions(req: wire.CompletionRequest, ctx: Ctx) -> Response:
     target = resolve(ctx, req)
     work = await plan.completion(ctx, target, req)
+    await reserve(ctx, req, target, work)
     return await completion_reply(ctx, req, work)
