@@ -127,7 +127,10 @@ def serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(1)
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except ConfigError as exc:  # (CHORUS_API_KEYS is read here)
+        sys.exit(f"chorus: {exc}")
     services = services_of(app)
     if not services.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "

@@ -267,14 +267,19 @@ async def requested_models(receive: Receive, max_bytes: int) -> list[str]:
     ensemble = body.get("ensemble")
     named: list[Any] = []
     if isinstance(ensemble, dict):
-        named += ensemble.get("members") if isinstance(ensemble.get("members"), list) else []
+        named += listed(ensemble.get("members"))
         named.append(ensemble.get("aggregator"))
-    for plugin in body.get("plugins") if isinstance(body.get("plugins"), list) else []:
+    for plugin in listed(body.get("plugins")):
         if isinstance(plugin, dict):  # the fusion plugin's panel and judge
-            named += plugin.get("analysis_models") if isinstance(plugin.get("analysis_models"), list) else []
+            named += listed(plugin.get("analysis_models"))
             named.append(plugin.get("model"))
     for m in named:
         name = m if isinstance(m, str) else m.get("model") if isinstance(m, dict) else None
         if isinstance(name, str):
             names.append(name)
     return names
+
+
+def listed(value: Any) -> list[Any]:
+    """``value`` if it is a list, else none (a body's field of the wrong type names no model)."""
+    return value if isinstance(value, list) else []

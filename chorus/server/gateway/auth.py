@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from chorus.config import ApiKey
-from chorus.errors import AuthenticationFailed, PermissionDenied, RateLimited
+from chorus.errors import AuthenticationFailed, ConfigError, PermissionDenied, RateLimited
 
 WINDOW_S = 60.0
 
@@ -100,6 +100,9 @@ class KeyStore:
         for i, item in enumerate(x.strip() for x in (env_keys or "").split(",")):
             if item:
                 name, _, raw = item.partition(":") if ":" in item else (f"env-{i + 1}", "", item)
+                if any(p.name == name for p in self.principals):  # it would own the other key's files, unlimited
+                    raise ConfigError(f"CHORUS_API_KEYS names a key {name!r}, a name already taken (by the config's "
+                                      "auth.keys or earlier in CHORUS_API_KEYS): key names must be unique.")
                 self.principals.append(Principal(name, hash_key(raw)))
 
     @property

@@ -31,7 +31,8 @@ class ResponseStore:
             pool.popitem(last=False)
 
     def get(self, rid: str, owner: str | None, param: str | None = None) -> Stored:
-        found = self._pools.get(owner, {}).get(rid)
+        pool = self._pools.get(owner)
+        found = pool.get(rid) if pool is not None else None
         if found is None:
             raise ResponseNotFound(f"No stored response with id '{rid}' (responses are kept in this server's "
                                    f"memory, the latest {self.max_stored} of each key, and only for the key that "

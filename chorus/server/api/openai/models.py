@@ -23,8 +23,11 @@ def model_card(ctx: Context, name: str) -> dict[str, Any]:
     if name in services.ensembles:
         e = services.ensembles[name]
         card["kind"] = "ensemble"
-        card["ensemble"] = {"strategy": e.spec.strategy, "members": [m.label for m in e.strategy.members],
-                            "description": e.description}
+        allowed = ctx.principal.models if ctx.principal is not None else None
+        shown = [m.label for m in e.strategy.members if allowed is None or m.spec.model in allowed]
+        card["ensemble"] = {"strategy": e.spec.strategy, "members": shown, "description": e.description}
+        if len(shown) < len(e.strategy.members):  # a member the key may not use is not named to it
+            card["ensemble"]["members_not_shown"] = len(e.strategy.members) - len(shown)
         return card
     engine = services.engines[name]
     card["kind"] = "scorer" if isinstance(engine, ChoiceScorer) else (
