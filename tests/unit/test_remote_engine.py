@@ -74,8 +74,6 @@ async def test_errors_map_into_chorus_errors(upstream: LiveServer) -> None:
     async for e in engine([upstream.url + "/v1"]):
         with pytest.raises(InvalidRequest, match="upstream refused"):
             await e.generate(req(e, max_tokens=10_000))  # beyond the upstream's context
-        with pytest.raises(InvalidRequest, match="logprobs are not relayed"):
-            await e.generate(req(e, logprobs=True))
     async for e in engine([upstream.url + "/v1"], model="nope"):
         with pytest.raises(EngineFailed, match="404"):
             await e.generate(req(e))
@@ -194,3 +192,19 @@ def test_batch_lines_reach_the_workers_as_batch_work(tmp_path: Path, batch_prior
         direct = openai.OpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="priority"):
             direct.chat.completions.create(**{**ask, "model": "w"}, extra_body={"priority": -1})  # type: ignore[call-overload]
+
+
+async def test_logprobs_are_relayed_with_their_token_ids(upstream: LiveServer) -> None:
+    """A remote generation's token logprobs and top alternatives come back as the upstream sent them (each token's
+    id read from its text by the gateway's tokenizer), streamed or not."""
+    async for e in engine([upstream.url + "/v1"]):
+        g = await e.generate(req(e, logprobs=True, top_logprobs=2, max_tokens=5))
+        choice = g.choices[0]
+        assert choice.text == "hello" and choice.logprobs is not None and len(choice.logprobs) == 5
+        assert "".join(lp.token for lp in choice.logprobs) == "hello"
+        assert choice.token_ids == e.tokenizer.encode("hello") == [lp.token_id for lp in choice.logprobs]
+        assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in choice.logprobs)
+        deltas = [d async for d in e.stream(req(e, logprobs=True, top_logprobs=1, max_tokens=5))]
+        streamed = [lp for d in deltas for lp in d.logprobs]
+        assert [lp.token for lp in streamed] == list("hello") and all(len(lp.top) == 1 for lp in streamed)
+        assert [round(lp.logprob, 4) for lp in streamed] == [round(lp.logprob, 4) for lp in choice.logprobs]

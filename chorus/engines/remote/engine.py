@@ -72,7 +72,7 @@ log = logging.getLogger("chorus.remote")
 
 class RemoteEngine:
     capabilities = frozenset({TEXT, STREAM, STRUCTURED})  # formats are sent on
-    relays_logprobs = False  # a generation's token logprobs are not relayed (answer votes tie-break without them)
+    relays_logprobs = True  # a generation's token logprobs are relayed (openai_wire.logprobs_from)
 
     def __init__(self, spec: ModelSpec, tokenizer: Any) -> None:
         assert isinstance(spec.options, RemoteOptions)
@@ -224,8 +224,9 @@ class RemoteEngine:
         data = await self._post("/completions", body, ask_of(ids))
         top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
         if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
-            self._vocab = await asyncio.to_thread(vocab_of, self.tokenizer)
+            await self.token_ids()
         vocab = self._vocab
+        assert vocab is not None
         logits = torch.full((self.tokenizer.vocab_size,), float("-inf"))
         for text, lp in top.items():
             tid = vocab.first_id(text) if text else None
@@ -289,7 +290,9 @@ class RemoteEngine:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         path, body = self._body(request, stream=False)
-        gen = generation_from(await self._post(path, body, ask_of(request.prompt_ids)), len(request.prompt_ids))
+        ids = await self.token_ids() if request.params.logprobs else None
+        gen = generation_from(await self._post(path, body, ask_of(request.prompt_ids)), len(request.prompt_ids),
+                              ids, request.params.top_logprobs)
         request.cached_tokens = gen.cached_tokens  # what the worker's prefix cache served (usage relays it)
         return gen
 
@@ -315,8 +318,21 @@ class RemoteEngine:
             finally:
                 replica.outstanding -= 1
 
+    async def token_ids(self) -> Callable[[str], int]:
+        """A relayed token's id from its text (the servers send token strings): the gateway's own tokenizer."""
+        if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
+            self._vocab = await asyncio.to_thread(vocab_of, self.tokenizer)
+        vocab = self._vocab
+
+        def first(text: str) -> int:
+            tid = vocab.first_id(text) if text else None
+            return tid if tid is not None else (vocab.eos[0] if not text and vocab.eos else -1)
+
+        return first
+
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         path, body = self._body(request, stream=True)
+        ids = await self.token_ids() if request.params.logprobs else None
         ask = ask_of(request.prompt_ids)
         tried: set[str] = set()
         while True:
@@ -332,7 +348,7 @@ class RemoteEngine:
                 async with self.client.post(replica.url + path, json=body, headers=headers) as resp:
                     if resp.status != 200:
                         raise error_from(resp.status, await resp.text(errors="replace"), replica.url)
-                    async for delta in deltas_from(resp.content, self.name, request):
+                    async for delta in deltas_from(resp.content, self.name, request, ids):
                         sent = True
                         yield delta
                 self.pool.answered(replica)
