@@ -30,6 +30,7 @@ import numpy as np
 from chorus import stats as S
 from chorus.clients.eval_gsm8k import read
 from chorus.clients.eval_gsm8k_continue import continued_path, whole
+from chorus.ensembles.answers import extract_answer
 from chorus.ensembles.consistency_select import choose
 from chorus.ensembles.voting import Sample, Unfinished, agreement, from_answers, settled, tally
 from chorus.training.cascade import fit_thresholds, same
@@ -63,11 +64,12 @@ class Outcome:
     large: bool = False  # the larger model was asked
 
 
-def load(cache: Path, split: str, models: list[str], budget: int | None = 768, scored: bool = True
-         ) -> dict[int, Item]:
+def load(cache: Path, split: str, models: list[str], budget: int | None = 768, scored: bool = True,
+         reread: bool = True) -> dict[int, Item]:
     """The cached items of ``split``; with ``budget``, every answer cut at the cache's cap made whole with its
     continuation to that budget (`chorus eval gsm8k-continue`), and the token numbers of scored answers
-    (`chorus eval gsm8k-score`) on its samples unless ``scored`` is False."""
+    (`chorus eval gsm8k-score`) on its samples unless ``scored`` is False. With ``reread``, each answer is read
+    from its text by today's extractor (ensembles/answers.py), not taken as it was extracted when drawn."""
     items: dict[int, Item] = {}
     for m in models:
         path = cache / split / f"{m}.jsonl"
@@ -78,7 +80,8 @@ def load(cache: Path, split: str, models: list[str], budget: int | None = 768, s
             scores = read_scores(cache, split, m, budget) if scored else {}
         for r in sorted(rows, key=lambda r: (r["item"], r["seed"] or -1)):
             it = items.setdefault(r["item"], Item(r["reference"]))
-            b = Batch([c["answer"] for c in r["choices"]], sum(c["tokens"] for c in r["choices"]), r["seconds"],
+            answers = [extract_answer(c["text"]) if reread else c["answer"] for c in r["choices"]]
+            b = Batch(answers, sum(c["tokens"] for c in r["choices"]), r["seconds"],
                       r["seconds"], [c.get("finish_reason", "stop") != "length" for c in r["choices"]],
                       sum(c.get("drawn_tokens", c["tokens"]) for c in r["choices"]), row_samples(r, m, scores))
             if r["kind"] == "greedy":
@@ -277,8 +280,9 @@ def main(args: argparse.Namespace) -> int:
     # the samples' scores are left out here (ties go to the answer seen first, on every item alike): what reading
     # them adds is `chorus bench confidence`'s, on the items that are scored
     budget = args.budget or None
-    train = complete(load(Path(args.cache), "train", [small, large], budget, scored=False), need)
-    test = complete(load(Path(args.cache), "test", [small, large], budget, scored=False), need)
+    reread = not args.stored_answers
+    train = complete(load(Path(args.cache), "train", [small, large], budget, scored=False, reread=reread), need)
+    test = complete(load(Path(args.cache), "test", [small, large], budget, scored=False, reread=reread), need)
     if not train or not test:
         raise SystemExit(f"need cached train and test items with greedy + {need} samples in {args.cache}")
     notes = []
@@ -386,6 +390,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=768, help="answers cut at the cache's cap made whole with their "
                                                           "continuations to this budget (0: as drawn)")
     p.add_argument("--name", default="GSM8K", help="the set's name in the table's title")
+    p.add_argument("--stored-answers", action="store_true", help="the answers as extracted when drawn (a set with a "
+                   "rule of its own, such as the addition set's first number), not read again from the texts")
     p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
                    help="samples cut at max_tokens: abstain while another sample finished (the served default), "
                         "or vote")

@@ -1,9 +1,12 @@
 """Answer extraction from a model's solution text (docs/methods.md §2, as the EoT reference code does).
 
-- ``number``: the text after the last "the answer is" (or the whole text if the phrase is absent),
-  thousands commas dropped; the first number there if the phrase was present, else the last number in
-  the text; a trailing "." stripped; integral values written without decimals ("42.0" -> "42"), others in
-  their shortest form ("72.50" -> "72.5"), so equal numbers are one answer.
+- ``number``: the text after the last of the forms models end with: "the answer is", ``\boxed{`` (LaTeX, which
+  Qwen models end with), "final answer" ("Final Answer: ...", "the final answer is ...") or an "Answer:" label at
+  a line's start (or the whole text if none is there), thousands commas dropped; the first number there if a
+  form was found (in a box, its content's last number: ``\boxed{6W_0 + 16}`` is 16), else the last number in the
+  text; a trailing "." stripped; integral values written without
+  decimals ("42.0" -> "42"), others in their shortest form ("72.50" -> "72.5"), so equal numbers are one answer.
+  (The reference code reads only "the answer is": "\boxed{1400} bananas for 2 months" was read as 2.)
 - ``choice``: the option letter (A-E) after the last "the answer is", else the last standalone letter.
 - ``yes_no``: "yes" or "no": the first of the two words after the last "the answer is", else the first in
   the text (small models open with "Yes, ...").
@@ -23,6 +26,8 @@ from __future__ import annotations
 import re
 
 PHRASE = re.compile(r"the answer is", re.IGNORECASE)
+#: where a number answer starts: the EoT phrase, LaTeX's box, a "final answer", an "Answer:" label
+FINAL = re.compile(r"the answer is|\\boxed\s*\{|final answer|^\W*answer\W*:", re.IGNORECASE | re.MULTILINE)
 NUMBER = re.compile(r"-?\d+\.?\d*")
 CHOICE = re.compile(r"\(?\b([A-E])\b\)?")
 YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
@@ -92,10 +97,25 @@ def extract_answer(text: str, kind: str = "number", pattern: re.Pattern[str] | N
     if kind == "choice":
         letters = CHOICE.findall(tail)
         return (letters[0] if had_phrase else letters[-1]) if letters else ""
+    marks = list(FINAL.finditer(text))
+    tail, had_phrase = (text[marks[-1].end():], True) if marks else (text, False)
+    if marks and marks[-1].group(0).lower().startswith("\\boxed"):  # the box's content: its last number
+        numbers = NUMBER.findall(braced(tail).replace(",", ""))  # ("6W_0 + 16" -> 16)
+        return _canonical_number(numbers[-1]) if numbers else ""
     numbers = NUMBER.findall(tail.replace(",", ""))
     if not numbers:
         return ""
     return _canonical_number(numbers[0] if had_phrase else numbers[-1])
+
+
+def braced(tail: str) -> str:
+    """The text up to the ``}`` that closes a brace just opened (``tail`` follows the ``{``), nested braces kept."""
+    depth = 1
+    for i, ch in enumerate(tail):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            return tail[:i]
+    return tail
 
 
 def compile_pattern(pattern: str | None) -> re.Pattern[str] | None:

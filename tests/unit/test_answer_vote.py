@@ -32,6 +32,13 @@ from tests.helpers import LiveServer, gateway
     ("12 + 30 = 42, so he has 42 left", "number", "42"),  # no phrase: the last number
     ("The answer is 7 apples, not 8.", "number", "7"),  # the phrase: the first number after it
     ("No number at all.", "number", ""),
+    # the forms models end with, before the last-number fallback (GSM8K answers of the Qwen2.5-Coder models)
+    ("the zookeeper needs \\(\\boxed{1400}\\) bananas to last for 2 months", "number", "1400"),
+    ("so \\boxed{1,200} dollars in 3 weeks", "number", "1200"),
+    ("the weight is \\(\\boxed{6W_0 + 16}\\) pounds", "number", "16"),  # a box: its content's last number
+    ("we add 4 and 5.\n\nFinal Answer: 9 apples in 2 bags", "number", "9"),
+    ("Step 1: 3 + 4 = 7\n**Answer:** 7 cats, 2 dogs", "number", "7"),
+    ("The answer is 7 ... rechecking: \\boxed{8}", "number", "8"),  # the last form said wins
     ("I think (C) fits. The answer is (B).", "choice", "B"),
     ("Option A is wrong; D", "choice", "D"),
     ("Yes, it does. The answer is no.", "yes_no", "no"),
