@@ -80,7 +80,7 @@ def load(cache: Path, split: str, models: list[str], budget: int | None = 768, s
             scores = read_scores(cache, split, m, budget) if scored else {}
         for r in sorted(rows, key=lambda r: (r["item"], r["seed"] or -1)):
             it = items.setdefault(r["item"], Item(r["reference"]))
-            answers = [extract_answer(c["text"]) if reread else c["answer"] for c in r["choices"]]
+            answers = [extract_answer(c["text"]) if reread and "text" in c else c["answer"] for c in r["choices"]]
             b = Batch(answers, sum(c["tokens"] for c in r["choices"]), r["seconds"],
                       r["seconds"], [c.get("finish_reason", "stop") != "length" for c in r["choices"]],
                       sum(c.get("drawn_tokens", c["tokens"]) for c in r["choices"]), row_samples(r, m, scores))

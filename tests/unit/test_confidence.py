@@ -312,7 +312,8 @@ def write_cache(root: Path) -> None:
         rows, scored = [], []
         for i in range(n):
             rows.append({"item": i, "kind": "greedy", "seed": None, "reference": "5", "seconds": 1.0 + i / 100,
-                         "choices": [{"text": "g", "answer": "5" if i % 2 == 0 else "6", "tokens": 10 + i,
+                         "choices": [{"text": f"The answer is {5 if i % 2 == 0 else 6}.",
+                                      "answer": "5" if i % 2 == 0 else "6", "tokens": 10 + i,
                                       "finish_reason": "stop"}]})
             answers = ["5", "7", "7", "8"]
             rows.append({"item": i, "kind": "sample", "seed": 1, "reference": "5", "seconds": 4.0 + i / 25,
