@@ -70,16 +70,26 @@ class Vllm:
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Vllm]]:
+    """Two vLLM replicas of the same model, started together (about 4 GB each)."""
     require(vllm_python().is_file(), f"needs vLLM's CPU build at {vllm_python()} (make vllm)")
-    server = Vllm(prepared_model_dir(SMOL), tmp_path_factory.mktemp("vllm") / "vllm.log")
+    logs = tmp_path_factory.mktemp("vllm")
+    servers = [Vllm(prepared_model_dir(SMOL), logs / f"vllm-{i}.log") for i in range(2)]
     try:
-        yield server.wait()
+        yield [s.wait() for s in servers]
     except Exception:
-        print(Path(server.log.name).read_text(errors="replace")[-4000:])
+        for s in servers:
+            print(Path(s.log.name).read_text(errors="replace")[-4000:])
         raise
     finally:
-        server.stop()
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(pair: list[Vllm]) -> Vllm:
+    return pair[0]
 
 
 KEYS = [{"name": n, "sha256": hash_key(f"sk-{n}")} for n in ("alpha", "bravo")]
@@ -233,3 +243,87 @@ def test_the_pool_reads_vllms_own_metrics(gw: LiveServer, vllm: Vllm) -> None:
 
     engine: Any = services_of(gw.app).engines["smol-vllm"]
     assert wait_until(lambda: engine.pool.replicas[0].reported is not None, timeout=10)
+
+
+def served(v: Vllm) -> float:
+    """Requests vLLM itself says it finished (its own counter, every finish reason)."""
+    text = httpx.get(v.url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def pool_gateway(pair: list[Vllm], **remote: Any) -> ChorusConfig:
+    return ChorusConfig.model_validate({"models": [{
+        "name": "pool", "engine": "remote", "max_model_len": 2048,
+        "remote": {"replicas": [v.url for v in pair], "model": SERVED, "tokenizer": str(prepared_model_dir(SMOL)),
+                   "load_interval_s": 0.3, "cooldown_s": 60, **remote}}]})
+
+
+def test_the_pool_prefers_the_vllm_replica_that_says_it_is_less_busy(pair: list[Vllm]) -> None:
+    busy = pair[0]
+    long = {"model": SERVED, "prompt": "Count slowly:", "max_tokens": 1500, "ignore_eos": True}
+    with gateway(pool_gateway(pair)) as srv, httpx.Client(timeout=600) as http:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:  # busy with work sent around the gateway
+            around = [pool.submit(http.post, busy.url + "/completions", json=long) for _ in range(3)]
+            assert wait_until(lambda: running(busy) >= 3, timeout=60)
+            time.sleep(1.0)  # the pool's next read of both replicas' gauges
+            before = [served(v) for v in pair]
+            for _ in range(4):
+                r = sdk_of(srv).chat.completions.create(model="pool", messages=Q, max_tokens=4, temperature=0)
+                assert r.choices[0].message.content
+            after = [served(v) for v in pair]
+            for f in around:
+                f.cancel()
+        assert after[1] - before[1] == 4 and after[0] - before[0] <= 3  # all four went to the idle replica
+
+
+def running(v: Vllm) -> int:
+    load = reported_load(httpx.get(v.url.removesuffix("/v1") + "/metrics", timeout=10).text, SERVED)
+    return load.running if load is not None else 0
+
+
+def sdk_of(srv: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_a_vllm_replica_killed_under_load_costs_no_request(pair: list[Vllm]) -> None:
+    """Non-streamed requests in flight on a replica that dies are sent to the other one (nothing was sent to the
+    client yet); streams that had begun there end with an error event, never a silent cut. Runs last: it kills
+    the second replica."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with gateway(pool_gateway(pair)) as srv:
+        c = sdk_of(srv)
+
+        def ask(i: int) -> str:
+            r = c.chat.completions.create(model="pool", messages=[{"role": "user", "content": f"Story {i}:"}],
+                                          max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+            return r.choices[0].message.content or ""
+
+        def stream(i: int) -> tuple[str, str | None]:
+            text, error = "", None
+            try:
+                for ch in c.chat.completions.create(model="pool", messages=[{"role": "user", "content": f"Tale {i}"}],
+                                                    max_tokens=200, stream=True, extra_body={"ignore_eos": True}):
+                    if ch.choices:
+                        text += ch.choices[0].delta.content or ""
+            except openai.APIError as exc:
+                error = str(exc)
+            return text, error
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = [pool.submit(ask, i) for i in range(8)]
+            streams = [pool.submit(stream, i) for i in range(4)]
+            assert wait_until(lambda: running(pair[1]) >= 2, timeout=120)  # work on the replica to be killed
+            time.sleep(1.0)
+            pair[1].proc.kill()
+            texts = [f.result(timeout=600) for f in answers]
+            streamed = [f.result(timeout=600) for f in streams]
+        assert all(texts), texts  # every non-streamed request answered
+        for text, error in streamed:  # a stream either finished whole or says it failed
+            assert (error is None and text) or (error is not None and "failed mid-stream" in error), (text, error)
+        healthy = httpx.get(srv.url + "/health").json()["models"]["pool"]
+        assert healthy["replicas_healthy"] == 1
+

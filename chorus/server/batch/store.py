@@ -12,6 +12,8 @@ store's (redis_store.py, several nodes), run on the event loop.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import socket
@@ -80,7 +82,7 @@ class Store:
         self.db.close()
 
     async def read(self, file_id: str) -> bytes:
-        return self.path(file_id).read_bytes()
+        return await asyncio.to_thread(self.path(file_id).read_bytes)
 
     def local_path(self, file_id: str) -> Path | None:
         """The file on this node's disk (served as it is), or None where files live elsewhere."""
@@ -99,8 +101,12 @@ class Store:
     async def add_file(self, owner: str, purpose: str, filename: str, data: bytes) -> dict[str, Any]:
         fid = new_id("file-")
         tmp = self.path(fid).with_suffix(".part")
-        tmp.write_bytes(data)
-        tmp.replace(self.path(fid))  # whole or not at all
+
+        def write() -> None:  # (off the event loop: an upload may be 200 MB)
+            tmp.write_bytes(data)
+            tmp.replace(self.path(fid))  # whole or not at all
+
+        await asyncio.to_thread(write)
         row = {"id": fid, "owner": owner, "purpose": purpose, "filename": filename, "bytes": len(data),
                "created_at": int(time.time())}
         self.db.execute("INSERT INTO files VALUES (:id, :owner, :purpose, :filename, :bytes, :created_at)", row)
