@@ -1,5 +1,8 @@
 """`chorus bench gateway`: what the gateway adds in front of a fast upstream, measured with wrk.
 
+``--upstream URL`` puts it in front of a real server instead (vLLM, ``--upstream-model`` its model's name), the
+gateway sending the prompt as token ids as it does to vLLM in production (``api: completions``).
+
 A mock OpenAI upstream (a raw asyncio server: fixed chat completion, or a fixed SSE stream) runs on
 127.0.0.1; wrk (Debian's, with a Lua body script) drives it directly, through one `chorus serve`
 process (an ``engine: remote`` model pointing at the mock), and through the LiteLLM proxy when its
@@ -119,11 +122,16 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         env = dict(os.environ)
-        procs.append(subprocess.Popen([sys.executable, "-c", f"from chorus.clients.bench_gateway import mock_upstream; "
-                                                             f"mock_upstream({up_port})"], env=env))
-        upstream = f"http://127.0.0.1:{up_port}"
-        wait_ready(upstream + "/v1/models", procs[-1])
-        targets = {"direct to the mock upstream": upstream}
+        if args.upstream:  # a real server (vLLM): the gateway sends it the prompt as token ids (api: completions)
+            upstream, name, api = args.upstream.removesuffix("/v1").rstrip("/"), args.upstream_model, "completions"
+            wait_ready(upstream + "/v1/models")
+            targets = {f"direct to {name} ({upstream})": upstream}
+        else:
+            procs.append(subprocess.Popen([sys.executable, "-c", "from chorus.clients.bench_gateway import "
+                                           f"mock_upstream; mock_upstream({up_port})"], env=env))
+            upstream, name, api = f"http://127.0.0.1:{up_port}", "mock", "chat"
+            wait_ready(upstream + "/v1/models", procs[-1])
+            targets = {"direct to the mock upstream": upstream}
         stores = {"through chorus (1 process)": ("memory", 1)}
         if args.redis:
             stores["through chorus, limits in Redis"] = (args.redis, 1)
@@ -138,7 +146,8 @@ def main(args: argparse.Namespace) -> int:
                 "auth": {"keys": [{"name": "bench", "sha256": hashlib.sha256(b"bench").hexdigest(),
                                    "rpm": 10**9, "tpm": 10**12}]},
                 "models": [{"name": "mock", "engine": "remote", "max_model_len": 4096,
-                            "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": "chat"}}]}))
+                            "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": api,
+                                       "model": name}}]}))
             procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
                                            str(port), "--workers", str(processes)], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -168,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
                     for _ in range(args.rounds):  # rounds interleave the targets: drift in load hits them alike
                         for label, url in targets.items():
                             key = LITELLM_KEY if "LiteLLM" in label else "bench"
-                            runs[label].append(wrk(url + "/v1/chat/completions", body, c, args.seconds, tmp, key))
+                            sent = {**body, "model": name} if label.startswith("direct") else body
+                            runs[label].append(wrk(url + "/v1/chat/completions", sent, c, args.seconds, tmp, key))
                     base = None
                     for label, results in runs.items():
                         r = max(results, key=lambda x: x["rps"])  # the least disturbed round
@@ -179,8 +189,9 @@ def main(args: argparse.Namespace) -> int:
         finally:
             stop_all(procs)
     header = ["mode", "conc.", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "non-2xx"]
+    where = f"upstream {args.upstream} ({args.upstream_model})" if args.upstream else "mock upstream on 127.0.0.1"
     print(f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per run, best of {args.rounds} interleaved "
-          "rounds per cell, mock upstream on 127.0.0.1")
+          f"rounds per cell, {where}")
     print(markdown_table(header, rows))
     return 0
 
@@ -195,6 +206,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=default_tokenizer(),
                    help="tokenizer directory for the gateway's mock model (default: the prepared SmolLM2)")
     p.add_argument("--seconds", type=int, default=10)
+    p.add_argument("--upstream", help="a running OpenAI server to put the gateway in front of (e.g. vLLM's "
+                   "http://127.0.0.1:8000/v1) instead of the mock; --tokenizer must be its model's")
+    p.add_argument("--upstream-model", default="smol", help="--upstream: the model's name there")
     p.add_argument("--rounds", type=int, default=3, help="runs per cell, interleaved; the best is reported")
     p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")
     p.add_argument("--litellm", help="the LiteLLM proxy's `litellm` command (default: on PATH; not measured if absent)")
