@@ -88,12 +88,15 @@ def mock_upstream(port: int) -> None:
 LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
 
 
-def wrk(url: str, body: dict[str, object], connections: int, seconds: int, tmp: Path, key: str) -> dict[str, float]:
+def wrk(url: str, body: dict[str, object], connections: int, seconds: int, tmp: Path, key: str,
+        timeout_s: int = 2) -> dict[str, float]:
+    """One wrk run; a request slower than ``timeout_s`` counts as a socket error, not in the latencies."""
     script = tmp / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "Bearer {key}"\nwrk.body = [[{json.dumps(body)}]]\n')
-    out = subprocess.run(["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--latency", "-s",
-                          str(script), url], capture_output=True, text=True, timeout=seconds + 60).stdout
+    out = subprocess.run(["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--latency", "--timeout",
+                          f"{timeout_s}s", "-s", str(script), url], capture_output=True, text=True,
+                         timeout=seconds + timeout_s + 60).stdout
 
     def ms(label: str) -> float:
         m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
@@ -178,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
                         for label, url in targets.items():
                             key = LITELLM_KEY if "LiteLLM" in label else "bench"
                             sent = {**body, "model": name} if label.startswith("direct") else body
-                            runs[label].append(wrk(url + "/v1/chat/completions", sent, c, args.seconds, tmp, key))
+                            runs[label].append(wrk(url + "/v1/chat/completions", sent, c, args.seconds, tmp, key,
+                                                   timeout_s=120 if args.upstream else 2))
                     base = None
                     for label, results in runs.items():
                         r = max(results, key=lambda x: x["rps"])  # the least disturbed round
