@@ -13,7 +13,6 @@ store's (redis_store.py, several nodes), run on the event loop.
 from __future__ import annotations
 
 import asyncio
-
 import json
 import os
 import socket
