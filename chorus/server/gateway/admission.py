@@ -48,6 +48,7 @@ _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 #: stopped its batch can still read what ran and stop it (the batch's lines are the requests, each admitted and
 #: charged as a live one). An upload or a new batch is metered as any request (rpm, in flight, budget).
 UNMETERED = ("/v1/files", "/v1/batches")
+BODY_METHODS = ("POST", "PUT", "PATCH")  #: requests with a body: it is read before they count in flight
 
 
 def metered(method: str | None, path: str) -> bool:
@@ -55,7 +56,6 @@ def metered(method: str | None, path: str) -> bool:
     if not path.startswith(UNMETERED):
         return True
     return method in BODY_METHODS and not path.endswith("/cancel")
-BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 class Gateway:
