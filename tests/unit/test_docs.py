@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"\]\((docs/[^)#\s]+\.md)(?:#([^)\s]+))?\)")
 
@@ -48,3 +50,25 @@ def test_the_readmes_measured_table_is_made_from_the_data_files() -> None:
     r = subprocess.run([sys.executable, "scripts/measured-table", "--check"], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr
+
+
+def test_measured_table_reads_tables_apart_and_refuses_a_word_for_a_figure(tmp_path: Path) -> None:
+    """A data file with two tables: the first is read alone (the second's header is not one of its rows), and a
+    cell quoted as a figure must be one (the tenants row once quoted the header 'bravo / cold')."""
+    import importlib.util
+    from importlib.machinery import SourceFileLoader
+
+    loader = SourceFileLoader("measured_table", str(ROOT / "scripts" / "measured-table"))
+    spec = importlib.util.spec_from_loader("measured_table", loader)
+    assert spec is not None
+    script = importlib.util.module_from_spec(spec)
+    loader.exec_module(script)
+    data = tmp_path / "t.txt"
+    data.write_text("| engine | ratio |\n|---|---|\n| a | 1.01x [0.97, 1.04] |\n\n$ second run\n"
+                    "| engine | ratio |\n|---|---|\n| b | 0.02x [0.02, 0.03] |\n")
+    first, second = script.tables(data)
+    assert [r["engine"] for r in script.table(data)] == ["a"]
+    assert second == [{"engine": "b", "ratio": "0.02x [0.02, 0.03]"}]
+    assert script.figure(first[0]["ratio"], "t") == "1.01x [0.97, 1.04]"
+    with pytest.raises(SystemExit, match="is not a figure"):
+        script.figure("bravo / cold", "t")
