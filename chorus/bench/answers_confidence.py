@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -275,8 +276,13 @@ def pooled(train: dict[int, Item], test: dict[int, Item], small: str, large: str
 def main(args: argparse.Namespace) -> int:
     cache = Path(args.cache)
     m, k = args.model, args.k
-    train = complete(load(cache, "train", [m]), {m: k})
-    test = complete(load(cache, "test", [m]), {m: k})
+    reread, first = not args.stored_answers, args.train_items
+
+    def head(items: dict[int, Any]) -> dict[int, Any]:  # the first --train-items items of train (all: None)
+        return {i: it for i, it in items.items() if first is None or i < first}
+
+    train = head(complete(load(cache, "train", [m], reread=reread), {m: k}))
+    test = complete(load(cache, "test", [m], reread=reread), {m: k})
     if not train or not test:
         raise SystemExit(f"chorus bench confidence: need cached train and test items of {m} with greedy + {k} "
                          f"samples in {cache}")
@@ -287,8 +293,8 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(section(train, test, m, k, with_greedy=True)))
     if args.small:
         need = {m: k, args.small: args.k_small}
-        tr2 = complete(load(cache, "train", [m, args.small]), need)
-        te2 = complete(load(cache, "test", [m, args.small]), need)
+        tr2 = head(complete(load(cache, "train", [m, args.small], reread=reread), need))
+        te2 = complete(load(cache, "test", [m, args.small], reread=reread), need)
         if not tr2 or not te2:
             print(f"\nBoth models: no items with {need} samples cached: section skipped.")
             return 0
@@ -312,6 +318,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "beside it)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-llama")
     p.add_argument("--k", type=int, default=4, help="samples per item")
+    p.add_argument("--train-items", type=int, default=None, help="fit on the first N train items only (the "
+                   "tables of docs/evidence.md so far: 20, before the train split grew)")
+    p.add_argument("--stored-answers", action="store_true", help="the answers as extracted when drawn, not read "
+                   "again from their texts by today's extractor (the tables of docs/evidence.md so far)")
     p.add_argument("--small", default="qwen2.5-coder-0.5b-instruct-llama",
                    help="a second model whose samples join (empty: none)")
     p.add_argument("--k-small", type=int, default=8, help="its samples per item")
