@@ -117,7 +117,7 @@ class Drawer:
         """``count`` more samples of member ``m`` (one request of n = count), or its greedy answer; none when the
         member failed (its error is in the trace, or raised with ``on_member_error: fail``)."""
         have = len(self.samples.setdefault(m.label, []))
-        # log-probabilities break ties; a member whose engine does not relay them (a remote worker) votes without
+        # log-probabilities break ties; a member whose engine does not relay them votes without
         # them (its samples tie-break as first seen) rather than failing the request
         over: dict[str, Any] = {"n": count, "logprobs": getattr(m.engine, "relays_logprobs", True),
                                 "top_logprobs": self.top}
@@ -229,7 +229,7 @@ class AnswerVote(Strategy):
         deaf = [m.label for m in self.members if not getattr(m.engine, "relays_logprobs", True)]
         if reads and deaf:
             raise InvalidRequest(f"confidence reads the samples' token log-probabilities, and member(s) "
-                                 f"{', '.join(deaf)} do not relay them (remote workers).",
+                                 f"{', '.join(deaf)} do not relay them.",
                                  param="ensemble.verifier" if p.confidence_by == "none" else "ensemble.confidence_by")
         self.top = p.top_logprobs if reads else 0
 
