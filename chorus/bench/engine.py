@@ -6,9 +6,9 @@ is shared and noisy; the best round is the least disturbed one):
 1. in-process: batch-1 decode tokens/s of chorus's engine vs plain ``model.generate()``, and the
    aggregate tokens/s of ``--concurrency`` concurrent streams on the engine (rounds interleaved);
 2. over HTTP, streaming SSE clients against a ``chorus serve`` subprocess and a
-   ``transformers serve --continuous-batching`` subprocess on the same checkpoint, both up at once
-   and the rounds alternating between them: 1 stream vs ``--concurrency`` streams, with time to
-   first token.
+   ``transformers serve --continuous-batching`` subprocess on the same checkpoint (and, with ``--vllm``, vLLM's
+   CPU build), all up at once and the rounds alternating between them: 1 stream vs ``--concurrency`` streams,
+   with time to first token.
 """
 
 from __future__ import annotations
@@ -255,6 +255,16 @@ def main(args: argparse.Namespace) -> int:
                                   [str(Path(sys.executable).with_name("transformers")), "serve", str(path),
                                    "--continuous-batching", "--device", "cpu", "--dtype", "float32",
                                    "--port", str(port)], port, str(path), gen, Path(tmp) / "tserve.log"))
+        if args.vllm:  # vLLM's CPU build (`make vllm`) on the same checkpoint, float32, as tests/integration runs it
+            port = free_port()
+            servers.append(Server("vLLM 0.32.0 (CPU build)",
+                                  [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+                                   "--served-model-name", spec.name, "--dtype", "float32", "--max-model-len",
+                                   str(min(spec.max_model_len or 2048, 2048)), "--port", str(port), "--host",
+                                   "127.0.0.1"], port, spec.name,
+                                  {"ignore_eos": True, "stream_options": {"include_usage": True}},
+                                  Path(tmp) / "vllm.log"))
+            env = {**env, "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         rows += _http_rows(servers, args, env)
     print()
     print("| run | tokens/s | ratio | TTFT p50 (s) | TTFT max (s) | tokens |")
@@ -273,3 +283,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip-transformers-serve", action="store_true")
+    p.add_argument("--vllm", metavar="PYTHON", help="also vLLM's CPU build, run by this Python (make vllm: "
+                   ".venv-vllm/bin/python) on the same checkpoint")
