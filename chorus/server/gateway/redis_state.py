@@ -47,7 +47,25 @@ STORE_UP = Gauge("chorus_state_store_up", "1 while the shared state store (Redis
 STORE_ERRORS = Counter("chorus_state_store_errors_total", "calls to the shared state store that failed", ["op"])
 LOCAL = Counter("chorus_state_local_admissions_total", "admissions counted locally while the store was down")
 
-ADMIT = """
+#: the key's tokens in the window (one-second buckets in a hash) and its oldest bucket; ``drop`` deletes stale ones
+WINDOW = """
+local function window(key, now, win, drop)
+  local used, oldest, sec = 0, nil, math.floor(now / 1000)
+  local buckets = redis.call('HGETALL', key)
+  for i = 1, #buckets, 2 do
+    local s = tonumber(buckets[i])
+    if s <= sec - win / 1000 then
+      if drop then redis.call('HDEL', key, buckets[i]) end
+    else
+      used = used + tonumber(buckets[i + 1])
+      if oldest == nil or s < oldest then oldest = s end
+    end
+  end
+  return used, oldest
+end
+"""
+
+ADMIT = WINDOW + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local win = tonumber(ARGV[6])
@@ -67,16 +85,7 @@ if rpm > 0 then
 end
 local tpm = tonumber(ARGV[2])
 if tpm > 0 then
-  local used, oldest, sec = 0, nil, math.floor(now / 1000)
-  local buckets = redis.call('HGETALL', KEYS[2])
-  for i = 1, #buckets, 2 do
-    local s = tonumber(buckets[i])
-    if s <= sec - win / 1000 then redis.call('HDEL', KEYS[2], buckets[i])
-    else
-      used = used + tonumber(buckets[i + 1])
-      if oldest == nil or s < oldest then oldest = s end
-    end
-  end
+  local used, oldest = window(KEYS[2], now, win, true)
   if used >= tpm then return {0, 'tpm', (oldest + win / 1000) * 1000 - now, used} end
 end
 local budget = tonumber(ARGV[4])
@@ -112,7 +121,7 @@ if period > 0 and redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[
 return 1
 """
 
-RESERVE = """
+RESERVE = WINDOW + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -126,15 +135,7 @@ local tokens, amount = tonumber(ARGV[4]), tonumber(ARGV[5])
 local win = tonumber(ARGV[6])
 local tpm = tonumber(ARGV[1])
 if tpm > 0 then
-  local used, oldest, sec = 0, nil, math.floor(now / 1000)
-  local buckets = redis.call('HGETALL', KEYS[1])
-  for i = 1, #buckets, 2 do
-    local s = tonumber(buckets[i])
-    if s > sec - win / 1000 then
-      used = used + tonumber(buckets[i + 1])
-      if oldest == nil or s < oldest then oldest = s end
-    end
-  end
+  local used, oldest = window(KEYS[1], now, win, false)
   if used + held_tokens + tokens > tpm then
     return {0, 'tpm', tostring(used), tostring(held_tokens), oldest and ((oldest + win / 1000) * 1000 - now) or 1000}
   end
