@@ -271,6 +271,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.clients.bench_cluster:add_arguments",
         config=False,
     ),
+    ("bench", "vllm"): Command(
+        "chorus beside vLLM's CPU build: its engines at 1 / 8 / 32 streams, and the gateway in front of vLLM",
+        "chorus.bench.vllm:main",
+        "chorus.bench.vllm:add_arguments",
+    ),
     ("bench", "gateway"): Command(
         "gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
         "chorus.clients.bench_gateway:main",

