@@ -128,9 +128,10 @@ clean:
 image: install
 	PY=$(abspath $(BIN))/python bash scripts/image
 
-# the CPU stack of deploy/stack/compose.yaml (two gateways sharing Redis, a chorus worker) brought up with
-# podman-compose and loaded through both gateways: one rpm window, exact spend, the worker killed mid-load
-# (scripts/stack-test; needs `make image` first)
+# the CPU stack of deploy/stack/compose.yaml (two gateways sharing Redis; two vLLM workers, from
+# deploy/vllm/Containerfile, and a chorus worker) brought up with podman-compose and loaded through both gateways:
+# one rpm window, exact spend, a vLLM worker and the chorus worker killed mid-load (scripts/stack-test; needs
+# `make image` first)
 stack-test: install
 	$(BIN)/python -m pip install -q 'podman-compose>=1.2'
 	PY=$(abspath $(BIN))/python bash scripts/stack-test
