@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from chorus.clients.local import free_port, wait_ready
+from chorus.clients.local import free_port, vllm_command, wait_ready
 from chorus.engines.core.spec import ModelSpec
 
 PROMPT = "Write a long story about a dragon who learns to sing."
@@ -258,10 +258,8 @@ def main(args: argparse.Namespace) -> int:
         if args.vllm:  # vLLM's CPU build (`make vllm`) on the same checkpoint, float32, as tests/integration runs it
             port = free_port()
             servers.append(Server("vLLM 0.32.0 (CPU build)",
-                                  [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                                   "--served-model-name", spec.name, "--dtype", "float32", "--max-model-len",
-                                   str(min(spec.max_model_len or 2048, 2048)), "--port", str(port), "--host",
-                                   "127.0.0.1"], port, spec.name,
+                                  vllm_command(args.vllm, path, spec.name, port,
+                                               max_model_len=min(spec.max_model_len or 2048, 2048)), port, spec.name,
                                   {"ignore_eos": True, "stream_options": {"include_usage": True}},
                                   Path(tmp) / "vllm.log"))
             env = {**env, "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from chorus.bench.engine import Result, Server, http_load, settle, stop_servers
-from chorus.clients.local import free_port, markdown_table, wait_ready
+from chorus.clients.local import free_port, markdown_table, vllm_command, wait_ready
 
 STREAMED = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
@@ -156,9 +156,8 @@ def servers_for(spec: Any, path: Path, args: argparse.Namespace, tmp: Path) -> l
         out.append(chorus("chorus serve, llama.cpp engine (GGUF)", llama, "llama"))
     port = free_port()
     out.append(Server("vLLM 0.32.0 (CPU build)",
-                      [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                       "--served-model-name", spec.name, "--dtype", "float32", "--max-model-len", str(length),
-                       "--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", str(top)],
+                      vllm_command(args.vllm, path, spec.name, port, "--max-num-seqs", str(top),
+                                   max_model_len=length),
                       port, spec.name, STREAMED, tmp / "vllm.log"))
     remote = {"name": "via-gateway", "engine": "remote", "max_model_len": length,
               "remote": {"replicas": [out[-1].url + "/v1"], "model": spec.name, "tokenizer": str(path),

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
+from chorus.clients.bench_gateway import default_tokenizer
+from chorus.clients.local import free_port, markdown_table, stop_all, vllm_command, wait_ready
 
 MODEL = "smol"
 T = TypeVar("T")
@@ -69,7 +70,7 @@ def start(args: argparse.Namespace, tmp: Path, vllm: str | None = None,
                              "llama_cpp": {"threads": args.threads}}
     if vllm:
         model = {"name": MODEL, "engine": "remote", "max_model_len": 2048,
-                 "remote": {"replicas": [vllm + "/v1"], "model": MODEL, "tokenizer": str(smol_dir()),
+                 "remote": {"replicas": [vllm + "/v1"], "model": MODEL, "tokenizer": default_tokenizer(),
                             "batch_priority": priority, "read_timeout_s": 600}}
     cfg.write_text(json.dumps({
         "server": {"batches": {"dir": str(tmp / f"batches-{port}"), "concurrency": args.batch_concurrency,
@@ -159,18 +160,24 @@ def q(xs: list[float], p: int) -> float:
     return statistics.quantiles(xs, n=10)[p // 10 - 1] if len(xs) >= 2 else float("nan")
 
 
-def smol_dir() -> Path:
-    """The prepared SmolLM2 checkpoint (vLLM serves it; the gateway tokenizes with it)."""
-    return Path(os.environ.get("CHORUS_HOME") or Path.home() / ".cache" / "chorus") / "models" / "smollm2-135m-instruct"
+PHASES = ["phase", "live requests", "live TTFT p50 s", "live TTFT p90 s", "lines/s", "seconds"]
+
+
+def phase(name: str, ttft: list[float], lines: int = 0, seconds: float | None = None) -> list[object]:
+    """One row of the table: the live client's TTFTs in a phase, and the work beside it (``lines`` in
+    ``seconds``; none: the live client alone). Its TTFTs, sorted, go to stderr."""
+    print(f"{name}: {len(ttft)} live requests" + (f", {seconds:.1f} s" if seconds else "") + "; TTFT (s, sorted): "
+          + " ".join(f"{t:.3f}" for t in sorted(ttft)), file=sys.stderr)
+    return [name, len(ttft), f"{statistics.median(ttft):.3f}", f"{q(ttft, 90):.3f}",
+            f"{lines / seconds:.2f}" if seconds else "-", f"{seconds:.1f}" if seconds else "-"]
 
 
 def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smol_dir()), "--served-model-name",
-         MODEL, "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
-         "--max-num-seqs", str(args.slots), "--scheduling-policy", "priority"],
+        vllm_command(args.vllm, default_tokenizer(), MODEL, port, "--max-num-seqs", str(args.slots),
+                     "--scheduling-policy", "priority"),
         env=env, stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/v1/models", proc, timeout=900)
@@ -184,20 +191,12 @@ async def bench_vllm(url: str, plain: str, args: argparse.Namespace) -> str:
             httpx.AsyncClient(base_url=plain, timeout=600) as other:
         await http.post("/v1/chat/completions", json=body("Warm up.", 4))
         alone, _ = await with_live(http, args, asyncio.sleep(args.seconds))
-        print(f"live alone: {len(alone)} requests", file=sys.stderr)
+        rows = [phase("live alone", alone)]
         ranked, ranked_s = await with_live(http, args, run_batch(http, lines, args))
-        print(f"live + batch (priority 1): {len(ranked)}, {ranked_s:.1f} s; TTFT (s, sorted): "
-              f"{' '.join(f'{t:.3f}' for t in sorted(ranked))}", file=sys.stderr)
+        rows.append(phase("live + batch, lines at vLLM priority 1", ranked, args.lines, ranked_s))
         flat, flat_s = await with_live(other, args, run_batch(other, lines, args))
-        print(f"live + batch (no priority): {len(flat)}, {flat_s:.1f} s; TTFT (s, sorted): "
-              f"{' '.join(f'{t:.3f}' for t in sorted(flat))}", file=sys.stderr)
-    rows = [["live alone", len(alone), f"{statistics.median(alone):.3f}", f"{q(alone, 90):.3f}", "-", "-"],
-            ["live + batch, lines at vLLM priority 1", len(ranked), f"{statistics.median(ranked):.3f}",
-             f"{q(ranked, 90):.3f}", f"{args.lines / ranked_s:.2f}", f"{ranked_s:.1f}"],
-            ["live + batch, lines as live (no priority)", len(flat), f"{statistics.median(flat):.3f}",
-             f"{q(flat, 90):.3f}", f"{args.lines / flat_s:.2f}", f"{flat_s:.1f}"]]
-    table = markdown_table(["phase", "live requests", "live TTFT p50 s", "live TTFT p90 s", "lines/s", "seconds"],
-                           rows)
+        rows.append(phase("live + batch, lines as live (no priority)", flat, args.lines, flat_s))
+    table = markdown_table(PHASES, rows)
     ratios = (f"live TTFT beside the batch, priority / none: p50 "
               f"{statistics.median(ranked) / statistics.median(flat):.2f}x, p90 {q(ranked, 90) / q(flat, 90):.2f}x; "
               f"the batch's own time, priority / none: {ranked_s / flat_s:.2f}x")
@@ -212,20 +211,12 @@ async def bench(url: str, args: argparse.Namespace) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await http.post("/v1/chat/completions", json=body("Warm up.", 4))
         alone, _ = await with_live(http, args, asyncio.sleep(args.seconds))
-        print(f"live alone: {len(alone)} requests", file=sys.stderr)
+        rows = [phase("live alone", alone)]
         beside, batch_s = await with_live(http, args, run_batch(http, lines, args))
-        print(f"live + batch: {len(beside)} requests, batch {batch_s:.1f} s; TTFT (s, sorted): "
-              f"{' '.join(f'{t:.3f}' for t in sorted(beside))}", file=sys.stderr)
+        rows.append(phase("live + batch", beside, args.lines, batch_s))
         crowd, clients_s = await with_live(http, args, run_clients(http, lines, args))
-        print(f"live + {args.clients} clients: {len(crowd)} requests, {clients_s:.1f} s; TTFT (s, sorted): "
-              f"{' '.join(f'{t:.3f}' for t in sorted(crowd))}", file=sys.stderr)
-    rows = [["live alone", len(alone), f"{statistics.median(alone):.3f}", f"{q(alone, 90):.3f}", "-", "-"],
-            ["live + batch", len(beside), f"{statistics.median(beside):.3f}", f"{q(beside, 90):.3f}",
-             f"{args.lines / batch_s:.2f}", f"{batch_s:.1f}"],
-            [f"live + {args.clients} clients", len(crowd), f"{statistics.median(crowd):.3f}", f"{q(crowd, 90):.3f}",
-             f"{args.lines / clients_s:.2f}", f"{clients_s:.1f}"]]
-    table = markdown_table(["phase", "live requests", "live TTFT p50 s", "live TTFT p90 s", "lines/s", "seconds"],
-                           rows)
+        rows.append(phase(f"live + {args.clients} clients", crowd, args.lines, clients_s))
+    table = markdown_table(PHASES, rows)
     ratios = (f"live TTFT with the batch / alone: p50 {statistics.median(beside) / statistics.median(alone):.2f}x, "
               f"p90 {q(beside, 90) / q(alone, 90):.2f}x (with {args.clients} clients instead: p50 "
               f"{statistics.median(crowd) / statistics.median(alone):.2f}x, p90 {q(crowd, 90) / q(alone, 90):.2f}x); "

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from chorus.clients.local import free_port, markdown_table, stop_all, wait_ready
+from chorus.clients.local import free_port, markdown_table, stop_all, vllm_command, wait_ready
 
 MODEL = "smol"
 WORDS = ("river stone lantern harbor meadow copper violet thunder orchard glacier quiet ember falcon canyon "
@@ -168,20 +168,15 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
-def served_per_worker(urls: list[str], before: list[dict[str, float]] | None = None) -> list[int | str]:
-    """Requests each worker answered in this run (since ``before``), or "dead"."""
-    out: list[int | str] = []
-    for i, u in enumerate(urls):
-        now = counters(u)
-        out.append(int(now["served"] - (before[i].get("served", 0.0) if before else 0.0)) if now else "dead")
-    return out
+def served_per_worker(before: list[dict[str, float]], after: list[dict[str, float]]) -> list[int | str]:
+    """Requests each worker answered between two readings of `counters`, or "dead"."""
+    return [int(a["served"] - b.get("served", 0.0)) if a else "dead" for b, a in zip(before, after)]
 
 
-def vllm_hit_share(urls: list[str], before: list[dict[str, float]]) -> str:
-    """vLLM's own prefix-cache hit share over this run (hits / queries, tokens, all workers)."""
-    now = [counters(u) for u in urls]
-    queries = sum(n.get("queries", 0.0) - b.get("queries", 0.0) for n, b in zip(now, before))
-    hits = sum(n.get("hits", 0.0) - b.get("hits", 0.0) for n, b in zip(now, before))
+def vllm_hit_share(before: list[dict[str, float]], after: list[dict[str, float]]) -> str:
+    """vLLM's own prefix-cache hit share between two readings (hits / queries, tokens, all workers)."""
+    queries = sum(a.get("queries", 0.0) - b.get("queries", 0.0) for b, a in zip(before, after))
+    hits = sum(a.get("hits", 0.0) - b.get("hits", 0.0) for b, a in zip(before, after))
     return f"{hits / queries:.2f}" if queries else "-"
 
 
@@ -196,10 +191,9 @@ def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Pop
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=str(i % cores), VLLM_LOGGING_LEVEL="WARNING")
         log = open(tmp / f"vllm-{i}.log", "wb")
         procs.append(subprocess.Popen(
-            [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", args.tokenizer, "--served-model-name",
-             MODEL, "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
-             "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
-             "--max-num-seqs", str(args.batch)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            vllm_command(args.vllm, args.tokenizer, MODEL, port, "--enable-prompt-tokens-details",
+                         "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.batch)),
+            env=env, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
     for u, p in zip(urls, procs):
         wait_ready(u + "/v1/models", p, timeout=900)
@@ -264,8 +258,9 @@ def main(args: argparse.Namespace) -> int:
                     before = [counters(u) for u in workers]
                     res = asyncio.run(drive(url, work, args.max_tokens, kill))
                     results[(policy, workload)] = res
-                    rows.append(row(policy, workload, res, served_per_worker(workers, before),
-                                    vllm_hit_share(workers, before) if vllm_urls else "-"))
+                    after = [counters(u) for u in workers]
+                    rows.append(row(policy, workload, res, served_per_worker(before, after),
+                                    vllm_hit_share(before, after) if vllm_urls else "-"))
                     print(markdown_table(HEADER, rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
                 finally:
                     stop_all(procs)

