@@ -19,6 +19,11 @@ transformers and vLLM load unchanged, in the Hugging Face hub layout:
   attention with full rotary embedding, DeepSeek-V3's MoE block and tensor names), which
   transformers and vLLM serve.
 
+Two fields follow what vLLM builds rather than what the config says (found serving them on vLLM
+0.32.0, which otherwise answers from uninitialised weights): vLLM's Qwen2-MoE attention always has
+q/k/v biases, so ``qkv_bias`` is true and zero biases are written; vLLM's GLM-4-MoE never ties the
+head to the embeddings, so a tied base's head is written out as ``lm_head.weight``.
+
 Router initialisation: ``random`` (normal, std 0.02) or ``hidden``: the rows are the leading
 principal directions of that layer's MLP inputs on a built-in calibration text, so experts start
 out receiving different tokens. ``noise`` perturbs each expert copy by ``noise * std(W)`` Gaussian
@@ -115,12 +120,12 @@ def moe_config(base: dict[str, Any], cfg: UpcycleConfig) -> dict[str, Any]:
                    n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=0,
                    norm_topk_prob=True, use_qk_norm=False, attention_bias=False, num_nextn_predict_layers=0,
                    rope_parameters={**rope, "partial_rotary_factor": 1.0}, partial_rotary_factor=1.0,
-                   output_router_logits=False)
+                   output_router_logits=False, tie_word_embeddings=False)  # vLLM's GLM-4-MoE never ties: see below
         out.pop("rope_theta", None)
     elif cfg.kind == "qwen2_moe":
         out.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=cfg.experts,
                    num_experts_per_tok=cfg.top_k, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
-                   intermediate_size=inter, norm_topk_prob=True, qkv_bias=False, decoder_sparse_step=1,
+                   intermediate_size=inter, norm_topk_prob=True, qkv_bias=True, decoder_sparse_step=1,
                    mlp_only_layers=[], use_sliding_window=False, sliding_window=None, router_aux_loss_coef=0.001,
                    output_router_logits=False)
     else:
@@ -172,12 +177,20 @@ def moe_tensors(base: Base, cfg: UpcycleConfig, routers: list[torch.Tensor] | No
     gen = torch.Generator().manual_seed(cfg.seed)
     hidden = int(base.config["hidden_size"])
     tensors = dict(base.outside_layers())
+    if cfg.kind == "deepseek_v3" and "lm_head.weight" not in tensors:  # a tied base: the head written out
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     for i in range(base.n_layers):
         layer = base.layer(i)
         pre = f"model.layers.{i}."
         for name, t in layer.items():
             if not name.startswith("mlp."):
                 tensors[pre + name] = t
+        if cfg.kind == "qwen2_moe":  # Qwen2-MoE's attention has q/k/v biases (vLLM always builds them): zero ones
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                key = pre + f"self_attn.{proj}.bias"
+                if key not in tensors:
+                    w = tensors[pre + f"self_attn.{proj}.weight"]
+                    tensors[key] = torch.zeros(w.shape[0], dtype=w.dtype)
         gate, up, down = layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"], layer["mlp.down_proj.weight"]
         if routers is not None:
             router = routers[i].to(gate.dtype)
