@@ -32,7 +32,8 @@ def prompt_ids(tokenizer_dir: Path | str) -> list[list[int]]:
 
 async def chorus_answers(model_dir: Path | str, prompts: list[list[int]], max_tokens: int,
                          options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Greedy answers of chorus's transformers engine (float32): ids, text and the chosen tokens' logprobs."""
+    """Greedy answers of chorus's transformers engine (float32): ids, text, the chosen tokens' logprobs and what
+    the family reported (the request's trace: expert load, MoDr branches, ReasonFormer depth)."""
     from chorus.engines.core.base import GenerationRequest, SamplingParams
     from chorus.engines.core.spec import ModelSpec
     from chorus.engines.transformers.engine import TransformersEngine
@@ -43,9 +44,11 @@ async def chorus_answers(model_dir: Path | str, prompts: list[list[int]], max_to
         rows = []
         for ids in prompts:
             params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=True, ignore_eos=True)
-            g = await engine.generate(GenerationRequest(list(ids), params, options=dict(options or {})))
+            req = GenerationRequest(list(ids), params, options=dict(options or {}), trace={})
+            g = await engine.generate(req)
             c = g.choices[0]
-            rows.append({"ids": c.token_ids, "text": c.text, "logprobs": [lp.logprob for lp in c.logprobs or []]})
+            rows.append({"ids": c.token_ids, "text": c.text, "logprobs": [lp.logprob for lp in c.logprobs or []],
+                         "trace": req.trace})
         return rows
     finally:
         await engine.aclose()
@@ -102,3 +105,92 @@ def parity(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> Parity:
             tokens += 1
             worst = max(worst, abs(a["logprobs"][step] - b["logprobs"][step]))
     return Parity(same, len(ours), tokens, worst, first)
+
+
+#: the checkpoints `derive_checkpoints` writes: name -> (family, how it is served on vLLM)
+CHECKPOINTS = {
+    "moe-mixtral": ("MoE, Mixtral layout (upcycled)", "native"),
+    "moe-qwen2": ("MoE, Qwen2-MoE layout (upcycled)", "native"),
+    "moe-deepseek": ("MoE, DeepSeek-V3 blocks (upcycled)", "native"),
+    "moe-switch": ("MoE after chorus train moe --router switch", "native"),
+    "moe-gshard": ("MoE after chorus train moe --router gshard", "native"),
+    "moe-deepseek-trained": ("MoE after chorus train moe --router deepseek", "native"),
+    "graft": ("SOLAR-style grafted", "native"),
+    "modr": ("MoDr", "chorus's plugin"),
+    "reasonformer-shared": ("ReasonFormer, shared skills", "chorus's plugin"),
+    "reasonformer-private": ("ReasonFormer, private skills", "chorus's plugin"),
+}
+
+
+def derive_checkpoints(base: Path, out: Path, names: list[str] | None = None,
+                       log: Any = lambda _: None) -> dict[str, Path]:
+    """Freshly derived family checkpoints of ``base`` (a Llama checkpoint) under ``out``, made so that their own
+    parts matter: expert copies with noise, trained routers, MoDr branches and ReasonFormer skills with random
+    (non-zero) LoRAs, routers that spread their weight and stop gates near the threshold."""
+    import torch
+
+    from chorus.engines.families.graft import GraftConfig, graft
+    from chorus.engines.families.modr import build_retrofit as modr_retrofit
+    from chorus.engines.families.modr import load_modr, save_modr
+    from chorus.engines.families.moe import UpcycleConfig, upcycle
+    from chorus.engines.families.reasonformer import build_retrofit as rf_retrofit
+    from chorus.engines.families.reasonformer import load_reasonformer, save_reasonformer
+    from chorus.training.moe import MoeTrainConfig, train_moe
+
+    made: dict[str, Path] = {}
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda t, std: torch.randn(t.shape, generator=gen) * std  # noqa: E731
+    data = out / "train.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    data.write_text("\n".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                          "answer": str(a + b)}) for a in range(20) for b in range(3)))
+    for name in names or list(CHECKPOINTS):
+        d = out / name
+        layout = {"moe-mixtral": "mixtral", "moe-qwen2": "qwen2_moe", "moe-deepseek": "deepseek_v3"}.get(name)
+        router = {"moe-switch": "switch", "moe-gshard": "gshard", "moe-deepseek-trained": "deepseek"}.get(name)
+        if layout:
+            upcycle(base, d, UpcycleConfig(experts=4, top_k=2, layout=layout, noise=0.05),  # type: ignore[arg-type]
+                    force=True, log=log)
+        elif router:
+            tc = MoeTrainConfig(router=router, experts=2, steps=2, batch_size=2, seq_len=32, lr=1e-3,
+                                eval_sequences=2, log_every=100)
+            train_moe(base, data, d, tc, force=True, log=log)
+        elif name == "graft":
+            graft(base, d, GraftConfig(drop=8), force=True, log=log)
+        elif name == "modr":
+            fresh = modr_retrofit(base, out / "modr-fresh", {"recurrence": 2, "rank": 8}, force=True, log=log)
+            m = load_modr(fresh)
+            with torch.no_grad():
+                for lora in m.loras:
+                    lora.B.copy_(rand(lora.B, 0.02))
+                m.router.weight.copy_(rand(m.router.weight, 0.5))
+            _replace(d, lambda tmp: save_modr(m, tmp), fresh)
+        elif name.startswith("reasonformer-"):
+            kind = name.split("-", 1)[1]
+            fresh = rf_retrofit(base, out / f"{name}-fresh", {"kind": kind, "max_steps": 3, "top_k": 2,
+                                                               "stop_threshold": 0.6}, force=True, log=log)
+            rf = load_reasonformer(fresh)
+            with torch.no_grad():
+                for lora in rf.loras:
+                    for b in lora.B:
+                        b.copy_(rand(b, 0.02))
+                for r in rf.routers:
+                    r.out.weight.copy_(rand(r.out.weight, 0.01))
+                for g in rf.gates:
+                    g.out.weight.copy_(rand(g.out.weight, 0.002))
+                    g.out.bias.fill_(0.0)
+            _replace(d, lambda tmp: save_reasonformer(rf, tmp), fresh)
+        else:
+            raise ValueError(f"unknown family checkpoint {name!r} (known: {', '.join(CHECKPOINTS)})")
+        made[name] = d
+    return made
+
+
+def _replace(d: Path, write: Any, fresh: Path) -> None:
+    """``write`` into ``d`` (emptied first), then ``fresh`` (the untrained retrofit it started from) removed."""
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    write(d)
+    shutil.rmtree(fresh)
