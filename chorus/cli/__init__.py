@@ -276,6 +276,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.vllm:main",
         "chorus.bench.vllm:add_arguments",
     ),
+    ("bench", "families-vllm"): Command(
+        "each model family on vLLM's CPU build (natively or chorus's plugin) beside chorus's engine, 1 / 8 streams",
+        "chorus.bench.families_vllm:main",
+        "chorus.bench.families_vllm:add_arguments",
+    ),
     ("bench", "gateway"): Command(
         "gateway overhead vs direct (and LiteLLM) on a mock upstream, with wrk",
         "chorus.clients.bench_gateway:main",

@@ -195,7 +195,8 @@ class Strategy:
         return [m.spec.model for m in self.members]
 
     def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name, "members": [{"label": m.label, "model": m.spec.model} for m in self.members]}
+        return {"strategy": self.name, "members": [{"label": m.label, "model": m.spec.model, **m.engine.placement()}
+                                                   for m in self.members]}
 
 
 @dataclass

@@ -26,7 +26,8 @@ def find(kind: str, name: str) -> dict[str, Any]:
 
 
 def test_configs_validate() -> None:
-    for name in ("gateway.yaml", "worker.yaml", "gpu-node.yaml", "discussion.yaml", "qwen-llama.yaml"):
+    for name in ("gateway.yaml", "worker.yaml", "gpu-node.yaml", "discussion.yaml", "qwen-llama.yaml",
+                 "families-vllm.yaml"):
         ChorusConfig.model_validate(yaml.safe_load((DEPLOY / "configs" / name).read_text()))
     cm = find("ConfigMap", "chorus-config")
     for key in ("gateway.yaml", "worker.yaml"):

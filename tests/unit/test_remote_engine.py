@@ -208,3 +208,23 @@ async def test_logprobs_are_relayed_with_their_token_ids(upstream: LiveServer) -
         streamed = [lp for d in deltas for lp in d.logprobs]
         assert [lp.token for lp in streamed] == list("hello") and all(len(lp.top) == 1 for lp in streamed)
         assert [round(lp.logprob, 4) for lp in streamed] == [round(lp.logprob, 4) for lp in choice.logprobs]
+
+
+async def test_family_fields_travel_only_to_servers_that_take_them(upstream: LiveServer) -> None:
+    """A vLLM worker would ignore MoDr's ``recurrence``: refused before sending unless the servers take chorus's
+    family fields (``remote.family_options``: chorus workers), which then check them themselves."""
+    async for e in engine([upstream.url + "/v1"]):
+        r = req(e)
+        r.options = {"recurrence": 2}
+        with pytest.raises(InvalidRequest, match="vLLM would ignore them") as got:
+            await e.generate(r)
+        assert got.value.param == "recurrence" and e.pool.replicas[0].served == 0
+        with pytest.raises(InvalidRequest, match="vLLM would ignore them"):
+            _ = [d async for d in e.stream(r)]
+        assert e.placement() == {"runs": "remote", "model": "up", "replicas": [upstream.url + "/v1"]}
+    async for e in engine([upstream.url + "/v1"], family_options=True):
+        r = req(e)
+        r.options = {"recurrence": 2}
+        with pytest.raises(InvalidRequest, match="applies to MoDr models only") as got:  # the upstream's own check
+            await e.generate(r)
+        assert got.value.param == "recurrence"

@@ -427,6 +427,10 @@ class Engine(Protocol):
         """A model family's counters since start-up, for Prometheus (MoE expert load, MoDr branches)."""
         ...
 
+    def placement(self) -> dict[str, Any]:
+        """Where the model runs, for an ensemble's trace: ``{"runs": "in-process"}``, or a remote model's servers."""
+        ...
+
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """Each prompt token's logprob given the ones before it (None for the first), top ``k`` alternatives."""
         ...

@@ -126,6 +126,9 @@ class SessionEngine:
     #: the model family's hooks (MoE expert load, MoDr routing and options); a plain model's by default
     observer: FamilyObserver = DenseObserver()
 
+    def placement(self) -> dict[str, Any]:
+        return {"runs": "in-process"}
+
     def check_options(self, options: dict[str, Any]) -> None:
         """Model-family options of a request (MoDr's ``recurrence``, ``exit``); plain models take none."""
         self.observer.check_options(options, self.name)

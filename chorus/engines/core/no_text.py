@@ -4,6 +4,7 @@ models): every call is a 400 from the model's own ``refuse(what, param)``, namin
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from chorus.engines.core.base import Delta, Generation, GenerationRequest, Session, Tokenizer, TokenLogprob
 from chorus.engines.runtime.metric import Metric
@@ -37,6 +38,9 @@ class GeneratesNothing:
     @property
     def active_sessions(self) -> int:
         return 0
+
+    def placement(self) -> dict[str, Any]:
+        return {"runs": "in-process"}
 
     def family_metrics(self) -> list[Metric]:
         return []

@@ -63,6 +63,7 @@ from chorus.errors import (
     CapabilityMismatch,
     EngineFailed,
     EngineUnavailable,
+    InvalidRequest,
 )
 
 #: a span per replica attempt (a retry on the next replica is a sibling), parent of the replica's own request span
@@ -266,6 +267,10 @@ class RemoteEngine:
         """Each ``prefix + continuation`` scored whole by the server (one call per choice, concurrently)."""
         return await by_prompt_logprobs(self, prefix, continuations)
 
+    def placement(self) -> dict[str, Any]:
+        """The model's servers (and its name there): where a remote member of an ensemble runs."""
+        return {"runs": "remote", "model": self.upstream_model, "replicas": [r.url for r in self.pool.replicas]}
+
     def family_metrics(self) -> list[Metric]:
         return []  # a worker's own /metrics has its model family's counters
 
@@ -273,6 +278,11 @@ class RemoteEngine:
         return {"active_sessions": self.active_sessions, **self.pool.stats()}
 
     def _body(self, request: GenerationRequest, stream: bool) -> tuple[str, dict[str, Any]]:
+        if request.options and not self.remote.family_options:
+            name = sorted(request.options)[0]
+            raise InvalidRequest(f"'{name}' cannot be sent to {self.name!r}: its servers do not take chorus's "
+                                 "model-family fields (vLLM would ignore them; a chorus worker takes them with "
+                                 "remote.family_options: true)", param=name)
         path, body = request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
                                   api=self.remote.api)
         if self.remote.batch_priority is not None and BACKGROUND.get():

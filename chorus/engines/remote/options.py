@@ -50,6 +50,10 @@ class RemoteOptions(BaseModel):
     #: token-level sessions for logit averaging: ``completions`` = top-k logprobs over /v1/completions
     #: (any OpenAI server, approximate); ``chorus`` = a chorus worker's /chorus/v1/sessions (exact logits)
     token_api: Literal["completions", "chorus"] = "completions"
+    #: the servers take chorus's model-family request fields (MoDr's ``recurrence`` / ``exit``, ReasonFormer's
+    #: ``max_steps`` / ``stop_threshold``) and check them: chorus workers do. vLLM does not, even serving a family
+    #: through chorus's plugin (it would ignore them), so by default a request that sets one is refused with 400
+    family_options: bool = False
     #: send the request's prefix scope (tenant and client salt) as ``cache_salt``: vLLM (>= 0.9) and chorus
     #: workers keep prefixes of different salts apart; turn it off only for a server that refuses the field
     cache_salt: bool = True

@@ -114,9 +114,11 @@ def reported_load(text: str, model: str) -> ServerLoad | None:
 
 def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
     """An upstream HTTP error -> chorus's error tree, or `Retryable` (5xx: another replica may answer)."""
+    param = None
     try:
         err = json.loads(body).get("error") or {}
         msg = err.get("message") if isinstance(err, dict) else str(err)
+        param = err.get("param") if isinstance(err, dict) and isinstance(err.get("param"), str) else None
     except (json.JSONDecodeError, AttributeError):
         msg = body[:300]
     msg = msg or f"HTTP {status}"
@@ -125,5 +127,5 @@ def error_from(status: int, body: str, url: str) -> GatewayError | Retryable:
     if status == 429:
         return RateLimited(f"upstream rate limit: {msg}", retry_after=1.0)
     if status in (400, 413, 422):
-        return InvalidRequest(f"upstream refused the request: {msg}")
+        return InvalidRequest(f"upstream refused the request: {msg}", param=param)  # the field it named, kept
     return EngineFailed(f"{url}: HTTP {status}: {msg}")  # 401/403/404: the gateway's config is wrong

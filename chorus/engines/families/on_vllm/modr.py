@@ -19,8 +19,15 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 
-from chorus.engines.families.on_vllm.over_base import Lora, LoRADelta, OverBaseForCausalLM, layer_forward, \
-    sequence_mean, sequences, stack_qkv
+from chorus.engines.families.on_vllm.over_base import (
+    Lora,
+    LoRADelta,
+    OverBaseForCausalLM,
+    layer_forward,
+    sequence_mean,
+    sequences,
+    stack_qkv,
+)
 
 
 class MoDrForCausalLM(OverBaseForCausalLM):

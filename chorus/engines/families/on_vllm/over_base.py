@@ -104,11 +104,11 @@ class Lora:
         self.qkv, self.o, self.pick, self.scale = qkv, o, pick, scale
 
 
-def layer_forward(layer: nn.Module, positions: torch.Tensor, x: torch.Tensor, attn: Attention | None = None,
+def layer_forward(layer: Any, positions: torch.Tensor, x: torch.Tensor, attn: Attention | None = None,
                   loras: list[Lora] = ()) -> torch.Tensor:  # type: ignore[assignment]
     """vLLM's Llama decoder layer on the full hidden state x (N, h), with LoRA deltas added to q/k/v and o, and
     its attention read from / written to ``attn`` (a KV slot; default: the layer's own)."""
-    sa: Any = layer.self_attn
+    sa = layer.self_attn
     h = layer.input_layernorm(x)
     qkv, _ = sa.qkv_proj(h)
     for lo in loras:
@@ -167,7 +167,7 @@ class OverBaseForCausalLM(LlamaForCausalLM):
                 raise ValueError(f"{self.what}: no safetensors in the base directory {self.base_dir}")
             for f in files:
                 with safe_open(f, framework="pt") as st:
-                    for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    for name in st.keys():
                         yield name, st.get_tensor(name)
 
         loaded = set(super().load_weights(base_weights()))
@@ -179,8 +179,9 @@ class OverBaseForCausalLM(LlamaForCausalLM):
 
     def run(self, span: range, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The base's layers of ``span`` as they are (their own KV slots)."""
+        layers: Any = self.model.layers
         for i in span:
-            x = layer_forward(self.model.layers[i], positions, x)
+            x = layer_forward(layers[i], positions, x)
         return x
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

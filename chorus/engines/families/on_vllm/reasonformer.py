@@ -22,8 +22,15 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 
-from chorus.engines.families.on_vllm.over_base import Lora, LoRADelta, OverBaseForCausalLM, layer_forward, \
-    sequence_mean, sequences, stack_qkv
+from chorus.engines.families.on_vllm.over_base import (
+    Lora,
+    LoRADelta,
+    OverBaseForCausalLM,
+    layer_forward,
+    sequence_mean,
+    sequences,
+    stack_qkv,
+)
 from chorus.engines.families.reasonformer.model import SkillRouter, StopGate
 
 #: the ids of the requests of the forward under way, in token order (set by the wrapped model runner)
@@ -51,9 +58,9 @@ def track_requests() -> None:
         FINISHED.update(scheduler_output.finished_req_ids)
         return update(self, scheduler_output)
 
-    GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
-    GPUModelRunner._update_states = _update_states  # type: ignore[method-assign]
-    GPUModelRunner._chorus_tracked = True  # type: ignore[attr-defined]
+    GPUModelRunner._model_forward = _model_forward
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._chorus_tracked = True
 
 
 @dataclass
@@ -155,7 +162,8 @@ class ReasonFormerForCausalLM(OverBaseForCausalLM):
         for i in range(int(cap.max())):
             if i > 0 and undecided:
                 pooled = sequence_mean(state, seg, n_seq)
-                g = torch.sigmoid(self.gates[i - 1].ffn(pooled).float()).squeeze(-1)  # (S,)
+                gate: Any = self.gates[i - 1]
+                g = torch.sigmoid(gate.ffn(pooled).float()).squeeze(-1)  # (S,)
             else:
                 g = torch.ones(n_seq, device=dev)
             coef = coef * g
