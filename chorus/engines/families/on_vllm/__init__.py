@@ -1,5 +1,6 @@
 """chorus's model families on vLLM: an out-of-tree model plugin (vLLM's ``vllm.general_plugins`` entry point,
-installed with chorus: ``pip install chorus-gateway[vllm]``, or ``make vllm`` for vLLM's CPU build).
+registered when chorus is installed in vLLM's environment: ``pip install --no-deps chorus-gateway`` there, as
+``make vllm`` does for vLLM's CPU build; the plugin needs only what vLLM brings).
 
 MoE (every layout chorus writes) and SOLAR-style grafted checkpoints are standard hub architectures that vLLM
 serves natively. MoDr (``model_type: chorus_modr``) and ReasonFormer (``chorus_reasonformer``) are chorus's own:
