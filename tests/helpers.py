@@ -26,6 +26,7 @@ from chorus.server.app import create_app
 
 SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
+QWEN = "qwen2.5-coder-0.5b-instruct"  #: the default chat model
 
 
 class LiveServer:

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
 
     base = load_config(args.config).model(args.model)
     if args.engine == "llama_cpp":
-        entry = {"engine": "llama_cpp", **({"source": base.source} if base.source else {"path": base.path}),
+        entry = {"engine": "llama_cpp", **({"source": base.sources} if base.source else {"path": base.path}),
                  **({"gguf": base.gguf.model_dump()} if base.gguf else {}), "max_batch_size": 8, "max_model_len": 2048}
         models = [{**entry, "name": "cached", "llama_cpp": {"threads": args.threads}},
                   {**entry, "name": "uncached", "llama_cpp": {"threads": args.threads, "prefix_cache_slots": 0}}]

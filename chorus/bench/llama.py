@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
     # max_batch_size: at least the two sequences of the two-member ensemble (with one, it waited for itself)
     name = base.name if base.engine == "llama_cpp" else f"{base.name}-llama"
     llama_model = {"name": name, "engine": "llama_cpp",
-                   **({"source": base.source} if base.source else {"path": str(gguf)}),
+                   **({"source": base.sources} if base.source else {"path": str(gguf)}),
                    **({"gguf": base.gguf.model_dump()} if base.gguf else {}),
                    "max_batch_size": max(*args.streams, 2), "max_model_len": 2048, "llama_cpp": {"threads": args.threads}}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}

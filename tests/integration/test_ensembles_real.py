@@ -1,4 +1,5 @@
-"""Every strategy on the real default models (SmolLM2 + Gemma-3), through the live server and the openai SDK."""
+"""Every strategy on the real default models (Qwen2.5-Coder-0.5B, SmolLM2, Gemma-3), through the live server and the
+openai SDK."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from chorus.ensembles.similarity import Embedder
-from tests.helpers import GEMMA, SMOL
+from tests.helpers import GEMMA, QWEN, SMOL
 
 pytestmark = pytest.mark.integration
 Q = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -31,23 +32,23 @@ def test_named_default_ensembles_are_listed(sdk: openai.OpenAI) -> None:
     cards = {m.id: m.model_extra.get("ensemble") for m in sdk.models.list()}
     strategies = {c["strategy"] for c in cards.values() if c}
     assert strategies == {"logit_average", "crowd_vote", "answer_vote", "route", "cascade"}
-    assert cards["unite-default"]["members"] == [SMOL, GEMMA]
+    assert cards["unite-default"]["members"] == [QWEN, SMOL]
 
 
-def test_logit_average_of_smollm2_with_itself_over_http(sdk: openai.OpenAI) -> None:
-    single = ask(sdk, SMOL, temperature=0, max_tokens=24)
+def test_logit_average_of_a_model_with_itself_over_http(sdk: openai.OpenAI) -> None:
+    single = ask(sdk, QWEN, temperature=0, max_tokens=24)
     for space in ("probability", "logit"):
         ens = ask(sdk, "average-default", {"space": space, "weights": [0.3, 0.7]}, temperature=0, max_tokens=24)
         assert ens.choices[0].message.content == single.choices[0].message.content
         assert ens.usage.completion_tokens == 2 * single.usage.completion_tokens
 
 
-@pytest.mark.parametrize(("weights", "alone"), [([1, 0], SMOL), ([0, 1], GEMMA)])
+@pytest.mark.parametrize(("weights", "alone"), [([1, 0], QWEN), ([0, 1], SMOL)])
 def test_topk_union_with_one_weight_is_that_member(sdk: openai.OpenAI, weights: list[int], alone: str) -> None:
     single = ask(sdk, alone, temperature=0, max_tokens=16)
     ens = ask(sdk, "unite-default", {"weights": weights, "trace": True}, temperature=0, max_tokens=16)
     assert ens.choices[0].message.content == single.choices[0].message.content
-    assert set(ens.model_extra["ensemble"]["usage_by_member"]) == {SMOL, GEMMA}
+    assert set(ens.model_extra["ensemble"]["usage_by_member"]) == {QWEN, SMOL}
 
 
 def test_topk_union_of_both_models_streams(sdk: openai.OpenAI) -> None:
@@ -126,9 +127,9 @@ def test_logit_average_refuses_different_vocabularies(sdk: openai.OpenAI) -> Non
 
 
 @pytest.mark.parametrize(("model", "text", "member"), [
-    ("route-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", GEMMA),
+    ("route-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", QWEN),
     ("route-default", "Hi! What's a nice thing to do on a rainy afternoon?", SMOL),
-    ("cost-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", GEMMA),
+    ("cost-default", "A baker makes 14 loaves a day for 6 days and sells 70. How many are left?", QWEN),
     ("cost-default", "Hi! What's a nice thing to do on a rainy afternoon?", SMOL),
 ])
 def test_default_routers(sdk: openai.OpenAI, model: str, text: str, member: str) -> None:
@@ -141,7 +142,7 @@ def test_default_routers(sdk: openai.OpenAI, model: str, text: str, member: str)
 def test_default_cascade(sdk: openai.OpenAI) -> None:
     resp = ask(sdk, "cascade-default", {"trace": True}, temperature=0, max_tokens=16)
     t = resp.model_extra["ensemble"]
-    assert t["steps"][0]["member"] == SMOL and t["winner"]["member"] in (SMOL, GEMMA)
+    assert t["steps"][0]["member"] == SMOL and t["winner"]["member"] in (SMOL, QWEN)
     assert t["usage"]["calls"] == len(t["steps"])
     forced = ask(sdk, "cascade-default", {"trace": True, "threshold": -0.0001}, temperature=0, max_tokens=16)
-    assert [s["member"] for s in forced.model_extra["ensemble"]["steps"]] == [SMOL, GEMMA]
+    assert [s["member"] for s in forced.model_extra["ensemble"]["steps"]] == [SMOL, QWEN]

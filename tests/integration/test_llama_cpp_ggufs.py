@@ -47,7 +47,7 @@ BATCHED_ATOL = 1.5
 
 def spec_of(name: str, threads: int) -> ModelSpec:
     base = load_config(None).model(name)
-    return ModelSpec.model_validate({"name": f"{name}-llama", "engine": "llama_cpp", "source": base.source,
+    return ModelSpec.model_validate({"name": f"{name}-llama", "engine": "llama_cpp", "source": base.sources,
                                      "gguf": base.gguf, "max_batch_size": 4, "max_model_len": 512,
                                      "llama_cpp": {"threads": threads}})
 

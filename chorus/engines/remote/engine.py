@@ -34,6 +34,7 @@ import aiohttp
 import torch
 from opentelemetry import propagate, trace
 
+from chorus.engines.core import hub
 from chorus.engines.core.base import (
     BACKGROUND,
     LOGITS,
@@ -107,9 +108,13 @@ class RemoteEngine:
 
         assert isinstance(spec.options, RemoteOptions)
         ref = spec.options.tokenizer
-        path = models[ref].checkpoint_dir() if models and ref in models else Path(ref).expanduser()
+        if hub.is_hub(ref):  # the hub's tokenizer files (fetched once into its cache)
+            path = hub.fetch_snapshot(hub.parse(ref), spec.revision, hub.TOKENIZER_FILES)
+        else:
+            path = models[ref].checkpoint_dir() if models and ref in models else Path(ref).expanduser()
         if not Path(path).is_dir():
-            raise EngineUnavailable(f"{spec.name}: tokenizer {ref!r} is neither a directory nor a prepared model")
+            raise EngineUnavailable(f"{spec.name}: tokenizer {ref!r} is neither a directory, a prepared model nor "
+                                    "a hub repository (hf:ORG/REPO)")
         return cls(spec, HFTokenizer(AutoTokenizer.from_pretrained(str(path)), fallback=spec.fallback_chat))
 
     # ---- lifecycle ----

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from chorus.engines.core.kind import EngineKind
@@ -23,6 +24,15 @@ class RemoteKind(EngineKind):
     def state(self, spec: ModelSpec, home: Path) -> tuple[str, str]:
         assert isinstance(spec.options, RemoteOptions)
         return "remote", ", ".join(spec.options.replicas)
+
+    def pull(self, spec: ModelSpec, home: Path, *, log: Callable[[str], None],
+             models: dict[str, ModelSpec]) -> Path:
+        from chorus.engines.core import hub
+
+        assert isinstance(spec.options, RemoteOptions)
+        if hub.is_hub(spec.options.tokenizer):
+            return hub.fetch_snapshot(hub.parse(spec.options.tokenizer), spec.revision, hub.TOKENIZER_FILES, log)
+        return super().pull(spec, home, log=log, models=models)
 
 
 KIND = RemoteKind()

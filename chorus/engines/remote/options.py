@@ -30,8 +30,9 @@ class RemoteOptions(BaseModel):
 
     replicas: list[str] = Field(min_length=1, description="base URLs, e.g. http://gpu-1:8000/v1")
     model: str | None = Field(default=None, description="the model's name on the servers (default: this name)")
-    #: the model's tokenizer: a directory, or the name of a model in this config (its prepared checkpoint)
-    tokenizer: str = Field(description="tokenizer directory or configured model name")
+    #: the model's tokenizer: a directory, the name of a model in this config (its prepared checkpoint), or a hub
+    #: repository (``hf:ORG/REPO``, its tokenizer files; the entry's ``revision`` pins it)
+    tokenizer: str = Field(description="tokenizer directory, configured model name, or hf:ORG/REPO")
     api: Literal["completions", "chat"] = Field(
         default="completions", description="completions: prompt as token ids (vLLM, chorus worker); chat: messages")
     api_key_env: str | None = Field(default=None, description="environment variable with the servers' API key")

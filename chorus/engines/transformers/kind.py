@@ -1,6 +1,7 @@
-"""``engine: transformers``: a Hugging Face checkpoint in this process. A packaged GGUF (``source``, or a ``.gguf``
-``path``) is dequantized into ``$CHORUS_HOME/models`` first, and a derived family checkpoint (``derive``) is built
-there from its base (engines/transformers/prepare.py); a checkpoint directory is loaded as it is."""
+"""``engine: transformers``: a Hugging Face checkpoint in this process. A GGUF (a packaged or hub ``source``, or a
+``.gguf`` ``path``) is dequantized into ``$CHORUS_HOME/models`` first, a hub checkpoint repository (``source:
+hf:ORG/REPO``) is fetched into the hub cache and linked there, and a derived family checkpoint (``derive``) is
+built there from its base (engines/transformers/prepare.py); a checkpoint directory is loaded as it is."""
 
 from __future__ import annotations
 
@@ -50,6 +51,24 @@ class TransformersKind(EngineKind):
             return "-"
         mib = spec.options.prefix_cache_mib
         return f"{mib} MiB" if mib else "off"
+
+    def pull(self, spec: ModelSpec, home: Path, *, log: Callable[[str], None],
+             models: dict[str, ModelSpec]) -> Path:
+        from chorus.engines.core import hub
+        from chorus.engines.core.registry import engine_kind
+        from chorus.engines.core.sources import resolve_gguf
+
+        if spec.derive is not None:
+            base = models.get(spec.derive.base)
+            if base is None:
+                log(f"{spec.name}: derived from the directory {spec.derive.base}; nothing to fetch")
+                return Path(spec.derive.base)
+            return engine_kind(base.engine).pull(base, home, log=log, models=models)
+        if hub.is_hub(spec.source) and not hub.parse(str(spec.source)).names_file:
+            return hub.fetch_snapshot(hub.parse(str(spec.source)), spec.revision, hub.CHECKPOINT_FILES, log)
+        if spec.source is not None or str(spec.path).endswith(".gguf"):
+            return resolve_gguf(spec, home, log)
+        return super().pull(spec, home, log=log, models=models)
 
     def prepare(self, spec: ModelSpec, home: Path, *, force: bool, log: Callable[[str], None],
                 models: dict[str, ModelSpec]) -> Path:

@@ -14,7 +14,9 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from chorus.engines.core import hub
 from chorus.engines.core.registry import prepare_model
 from chorus.engines.core.sources import resolve_gguf
 from chorus.engines.core.spec import ModelSpec
@@ -44,6 +46,8 @@ def prepare_checkpoint(spec: ModelSpec, home: Path, *, force: bool = False, log:
     """Convert ``spec`` into a servable checkpoint; ``models`` resolves a derived model's base by name."""
     if spec.derive is not None:
         return _prepare_derived(spec, home, force, log, models or {})
+    if hub.is_hub(spec.source) and not hub.parse(str(spec.source)).names_file:
+        return _prepare_from_hub(spec, home, force, log)
     if not spec.needs_prepare:
         d = spec.checkpoint_dir(home)
         if not (d / "config.json").is_file():
@@ -54,19 +58,27 @@ def prepare_checkpoint(spec: ModelSpec, home: Path, *, force: bool = False, log:
     if not force and is_prepared(target):
         log(f"{spec.name}: already prepared at {target}")
         return target
+    _write_atomically(target, lambda tmp: _convert(spec, home, tmp, log))
+    log(f"{spec.name}: ready at {target}")
+    return target
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write`` fills a temporary directory beside ``target``, renamed into its place only when done: an
+    interrupted run never leaves a checkpoint that later loads."""
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     try:
-        _convert(spec, home, tmp, log)
-        if target.exists():
+        write(tmp)
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"{spec.name}: ready at {target}")
-    return target
 
 
 def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None]) -> None:
@@ -75,7 +87,7 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
 
     t0 = time.perf_counter()
     log(f"{spec.name}: [1/4] locating GGUF ({spec.source or spec.path})")
-    gguf = resolve_gguf(spec, home)
+    gguf = resolve_gguf(spec, home, log)
     log(f"{spec.name}: [2/4] loading and dequantizing {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -83,32 +95,73 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    with torch.device("meta"):  # no weights of its own: it takes the dequantized tensors (one float32 copy)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False, assign=True)
     missing = [k for k in missing if k not in getattr(model, "_tied_weights_keys", {})]
     if missing or unexpected:
         raise EngineUnavailable(
             f"{spec.name}: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     model.tie_weights()
+    probe = tok(PROBE, return_tensors="pt")
+    with torch.inference_mode():
+        want = quantized(**probe).logits
+    del quantized  # the model written holds the same tensors; the reloaded one comes after it is gone
     log(f"{spec.name}: [3/4] writing safetensors to {out}")
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    del model
     log(f"{spec.name}: [4/4] verifying the written checkpoint")
-    probe = tok(PROBE, return_tensors="pt")
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.inference_mode():
-        want = quantized(**probe).logits
         got = reloaded(**probe).logits
     diff = float((want - got).abs().max())
     if diff > 1e-4:
         raise EngineUnavailable(f"{spec.name}: verification failed, reloaded logits differ by {diff:.2e}")
     manifest = {
-        "name": spec.name, "source": spec.source or spec.path, "gguf": str(gguf),
+        "name": spec.name, "source": spec.sources or spec.path, "gguf": str(gguf),
         "probe_max_abs_diff": diff, "seconds": round(time.perf_counter() - t0, 1), "files": _files(out),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _prepare_from_hub(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None]) -> Path:
+    """A checkpoint repository on the hub: fetched into huggingface_hub's cache (each LFS file hashed), and linked
+    into ``$CHORUS_HOME/models/NAME`` (the bytes stay in the hub cache, once)."""
+    assert spec.source is not None
+    target = spec.prepared_dir(home)
+    wanted = {"source": spec.source, "revision": spec.revision}
+    if not force and is_prepared(target) and {k: _manifest(target).get(k) for k in wanted} == wanted:
+        log(f"{spec.name}: already prepared at {target}")
+        return target
+    folder = hub.fetch_snapshot(hub.parse(spec.source), spec.revision, hub.CHECKPOINT_FILES, log)
+    files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+    if not (folder / "config.json").is_file() or not any(f.suffix == ".safetensors" for f in files):
+        raise EngineUnavailable(f"{spec.name}: {spec.source} is not a transformers checkpoint with safetensors "
+                                f"weights (it has {', '.join(map(str, files[:8])) or 'none of'} ...); for a GGUF "
+                                f"repository name the file: {spec.source}:Q4_K_M or {spec.source}/FILE.gguf")
+
+    def link(tmp: Path) -> None:
+        for f in files:
+            (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / f).symlink_to(folder / f)
+        manifest = {"name": spec.name, **wanted, "commit": folder.name, "snapshot": str(folder),
+                    "files": _files(tmp)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+    _write_atomically(target, link)
+    log(f"{spec.name}: ready at {target} (commit {folder.name}, files in {folder})")
+    return target
+
+
+def _manifest(d: Path) -> dict[str, Any]:
+    try:
+        found: dict[str, Any] = json.loads((d / MANIFEST).read_text())
+        return found
+    except (OSError, ValueError):
+        return {}
 
 
 def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None],

@@ -3,7 +3,7 @@
 import { el, renderChoices, renderTrace } from "./traces.js";
 
 const MAX_COLUMNS = 4;
-const FIRST_VIEW = ["smollm2-135m-instruct", "sc-default", "cascade-default"];  // checked on first load
+const FIRST_VIEW = ["qwen2.5-coder-0.5b-instruct", "sc-default", "route-default"];  // checked on first load
 const $ = (id) => document.getElementById(id);
 const keyInput = $("api-key");
 let cards = [];        // /v1/models data
