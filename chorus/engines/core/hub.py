@@ -36,7 +36,6 @@ DEFAULT_QUANT = "Q4_K_M"
 
 #: what each use of a checkpoint repository fetches (never ONNX, TensorFlow, Flax or .bin twins)
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-EMBEDDING_FILES = [*CHECKPOINT_FILES, "*/config.json"]
 TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model",
                    "chat_template*", "config.json", "generation_config.json"]
 
@@ -60,6 +59,14 @@ class HubSource:
 
 def is_hub(source: str | None) -> bool:
     return source is not None and source.startswith(PREFIX)
+
+
+def repository(source: str | None) -> HubSource | None:
+    """The parsed source when it names a whole repository (``hf:ORG/REPO``), not one GGUF; else ``None``."""
+    if not is_hub(source):
+        return None
+    ref = parse(str(source))
+    return None if ref.names_file else ref
 
 
 def parse(source: str) -> HubSource:
@@ -234,10 +241,12 @@ def cached(src: HubSource, revision: str | None) -> Path | None:
 def cache_state(src: HubSource, revision: str | None) -> tuple[str, str]:
     """What ``chorus models list`` shows for a hub source: cached (and where) or not fetched."""
     folder = cached(src, revision)
-    if folder is not None and src.names_file:
-        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.gguf"))
+    if folder is None:
+        return "not fetched", str(src)
+    if src.names_file:
         try:
-            return "cached", str(folder / gguf_name(src, files))
-        except EngineUnavailable:
-            folder = None
-    return ("cached", str(folder)) if folder is not None else ("not fetched", str(src))
+            return "cached", str(folder / gguf_name(src, sorted(str(p.relative_to(folder))
+                                                                for p in folder.rglob("*.gguf"))))
+        except EngineUnavailable:  # this GGUF is not among the cached ones
+            return "not fetched", str(src)
+    return "cached", str(folder)

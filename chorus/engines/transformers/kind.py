@@ -64,8 +64,8 @@ class TransformersKind(EngineKind):
                 log(f"{spec.name}: derived from the directory {spec.derive.base}; nothing to fetch")
                 return Path(spec.derive.base)
             return engine_kind(base.engine).pull(base, home, log=log, models=models)
-        if hub.is_hub(spec.source) and not hub.parse(str(spec.source)).names_file:
-            return hub.fetch_snapshot(hub.parse(str(spec.source)), spec.revision, hub.CHECKPOINT_FILES, log)
+        if (repo := hub.repository(spec.source)) is not None:
+            return hub.fetch_snapshot(repo, spec.revision, hub.CHECKPOINT_FILES, log)
         if spec.source is not None or str(spec.path).endswith(".gguf"):
             return resolve_gguf(spec, home, log)
         return super().pull(spec, home, log=log, models=models)

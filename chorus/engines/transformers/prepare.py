@@ -33,11 +33,7 @@ def _files(d: Path) -> dict[str, int]:
 
 def is_prepared(d: Path) -> bool:
     """A complete checkpoint: the manifest exists and every file it lists has its recorded size."""
-    try:
-        manifest = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    files = manifest.get("files", {})
+    files = _manifest(d).get("files", {})
     return bool(files) and all((d / n).is_file() and (d / n).stat().st_size == s for n, s in files.items())
 
 
@@ -46,8 +42,8 @@ def prepare_checkpoint(spec: ModelSpec, home: Path, *, force: bool = False, log:
     """Convert ``spec`` into a servable checkpoint; ``models`` resolves a derived model's base by name."""
     if spec.derive is not None:
         return _prepare_derived(spec, home, force, log, models or {})
-    if hub.is_hub(spec.source) and not hub.parse(str(spec.source)).names_file:
-        return _prepare_from_hub(spec, home, force, log)
+    if (repo := hub.repository(spec.source)) is not None:
+        return _prepare_from_hub(spec, repo, home, force, log)
     if not spec.needs_prepare:
         d = spec.checkpoint_dir(home)
         if not (d / "config.json").is_file():
@@ -127,16 +123,16 @@ def _convert(spec: ModelSpec, home: Path, out: Path, log: Callable[[str], None])
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
-def _prepare_from_hub(spec: ModelSpec, home: Path, force: bool, log: Callable[[str], None]) -> Path:
+def _prepare_from_hub(spec: ModelSpec, repo: hub.HubSource, home: Path, force: bool,
+                      log: Callable[[str], None]) -> Path:
     """A checkpoint repository on the hub: fetched into huggingface_hub's cache (each LFS file hashed), and linked
     into ``$CHORUS_HOME/models/NAME`` (the bytes stay in the hub cache, once)."""
-    assert spec.source is not None
     target = spec.prepared_dir(home)
     wanted = {"source": spec.source, "revision": spec.revision}
     if not force and is_prepared(target) and {k: _manifest(target).get(k) for k in wanted} == wanted:
         log(f"{spec.name}: already prepared at {target}")
         return target
-    folder = hub.fetch_snapshot(hub.parse(spec.source), spec.revision, hub.CHECKPOINT_FILES, log)
+    folder = hub.fetch_snapshot(repo, spec.revision, hub.CHECKPOINT_FILES, log)
     files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
     if not (folder / "config.json").is_file() or not any(f.suffix == ".safetensors" for f in files):
         raise EngineUnavailable(f"{spec.name}: {spec.source} is not a transformers checkpoint with safetensors "
@@ -174,7 +170,7 @@ def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[st
     assert derive is not None
     target = spec.prepared_dir(home)
     wanted = derive.model_dump()
-    if not force and is_prepared(target) and json.loads((target / MANIFEST).read_text()).get("derive") == wanted:
+    if not force and is_prepared(target) and _manifest(target).get("derive") == wanted:
         log(f"{spec.name}: already prepared at {target}")
         return target
     if derive.base in models:
@@ -193,7 +189,7 @@ def _prepare_derived(spec: ModelSpec, home: Path, force: bool, log: Callable[[st
         raise EngineUnavailable(f"{spec.name}: {exc}") from None
     except TypeError as exc:  # an unknown option name
         raise EngineUnavailable(f"{spec.name}: bad derive options {derive.options}: {exc}") from None
-    manifest = json.loads((target / MANIFEST).read_text())
+    manifest = json.loads((target / MANIFEST).read_text())  # the builder wrote it
     (target / MANIFEST).write_text(json.dumps({**manifest, "name": spec.name, "derive": wanted}, indent=2))
     log(f"{spec.name}: ready at {target}")
     return target
