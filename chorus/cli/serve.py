@@ -8,6 +8,7 @@ import logging
 import sys
 import threading
 import time
+from typing import TextIO
 
 from chorus.config import ChorusConfig, ConfigError, Settings, load_config
 
@@ -131,6 +132,15 @@ def configure_logging(json_format: bool, level: str) -> None:
     root.setLevel(level.upper())
 
 
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One line to stderr (or ``stream``) that never raises: a stream that cannot take it (a log on a full disk)
+    loses the line, never the server (a SIGTERM whose line raised would not stop it)."""
+    try:
+        print(line, file=stream or sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -147,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else (env.port if env.port is not None else config.server.port)
     config, skipped = config.served(not_ready)
     for line in skipped:
-        print(f"chorus: {line}", file=sys.stderr, flush=True)
+        say(f"chorus: {line}")
     if not config.models:
         sys.exit("chorus: no model to serve: every model of the config is optional and none is prepared")
     if args.workers < 1:
@@ -164,7 +174,7 @@ def serve(args: argparse.Namespace) -> int:
         if spec.needs_prepare and args.no_prepare and not_ready(spec):
             sys.exit(f"chorus: model {spec.name!r} is not prepared; run: chorus models prepare {spec.name}")
         try:
-            prepare_model(spec, models={m.name: m for m in config.models})
+            prepare_model(spec, models={m.name: m for m in config.models}, log=lambda line: say(line, sys.stdout))
         except GatewayError as exc:
             sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
     configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
@@ -180,13 +190,13 @@ def serve(args: argparse.Namespace) -> int:
         sys.exit(f"chorus: {exc}")
     services = services_of(app)
     if not services.keys.enabled and host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "
-              "auth.keys (chorus keys hash) or CHORUS_API_KEYS to serve other hosts", file=sys.stderr, flush=True)
+        say(f"chorus: no API keys are configured, so chorus binds to 127.0.0.1 only (not {host}); add keys under "
+            "auth.keys (chorus keys hash) or CHORUS_API_KEYS to serve other hosts")
         host = "127.0.0.1"
     elif not services.keys.enabled:
-        print("chorus: no API keys configured: open to local clients only (127.0.0.1)", file=sys.stderr, flush=True)
+        say("chorus: no API keys configured: open to local clients only (127.0.0.1)")
     served = [m.name for m in config.models] + [e.name for e in config.ensembles]
-    print(f"chorus: serving {', '.join(served)} on http://{host}:{port}/v1", flush=True)
+    say(f"chorus: serving {', '.join(served)} on http://{host}:{port}/v1", sys.stdout)
 
     grace = config.server.shutdown_grace_s
 
@@ -200,8 +210,6 @@ def serve(args: argparse.Namespace) -> int:
                 super().handle_exit(sig, frame)  # type: ignore[arg-type]
                 return
             admission.draining = True
-            print(f"chorus: draining: {admission.inflight} request(s) in flight, up to {grace:g} s", file=sys.stderr,
-                  flush=True)
 
             def drain() -> None:
                 deadline = time.monotonic() + grace
@@ -210,6 +218,8 @@ def serve(args: argparse.Namespace) -> int:
                 super(Server, self).handle_exit(sig, frame)  # type: ignore[arg-type]
 
             threading.Thread(target=drain, name="chorus-drain", daemon=True).start()
+            # said after the drain has started: a log that cannot be written (a full disk) never stops the stop
+            say(f"chorus: draining: {admission.inflight} request(s) in flight, up to {grace:g} s")
 
     # Everything loaded so far (torch, models, tokenizers) lives as long as the process: frozen out of the
     # collector's generations, a full collection no longer walks it (measured: chorus bench gateway, c=32).

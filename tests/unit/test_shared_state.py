@@ -230,6 +230,29 @@ def test_redis_killed_under_load(redis_server: Redis, tmp_path: Path, policy: st
         assert wait_until(lambda: tokens_spent(a) == ok_tokens, timeout=20), (tokens_spent(a), ok_tokens)
 
 
+def test_a_redis_that_takes_no_writes_is_an_outage(redis_server: Redis, tmp_path: Path) -> None:
+    """A Redis that answers but refuses writes (here out of memory; a full disk's MISCONF and a replica's READONLY
+    are the same case) is an outage under the policy, never a 500: fail_open admits locally and writes the
+    buffered charges once Redis takes writes again."""
+    import redis
+
+    redis_server.flush()
+    admin = redis.Redis(port=redis_server.port)
+    with serve(config(redis_server.url), tmp_path, n=1) as (a,):
+        answers = [ask(a)]
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        try:
+            answers += [ask(a) for _ in range(3)]
+            assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+            assert "chorus_state_store_up 0.0" in httpx.get(a + "/metrics").text
+        finally:
+            admin.config_set("maxmemory", 0)
+        assert wait_until(lambda: "chorus_state_store_up 1.0" in httpx.get(a + "/metrics").text, timeout=30)
+        spent = sum(r.json()["usage"]["total_tokens"] for r in answers)
+        assert wait_until(lambda: tokens_spent(a) == spent, timeout=20), (tokens_spent(a), spent)
+
+
 def test_feedback_records_wait_for_redis_and_none_is_lost(redis_server: Redis, tmp_path: Path) -> None:
     """Requests answered while Redis is down keep their feedback records in the gateway's buffer (counted in
     /metrics) and are written when it is back: as many records as answered requests, and feedback on one answered

@@ -391,9 +391,14 @@ def member_of(r: Reservation, key: ApiKey | None) -> str:
 
 
 def is_outage(exc: BaseException) -> bool:
+    """A lost or timed-out connection, or a Redis that answers but takes no writes now (out of memory, a read-only
+    replica, a master or cluster that is down, its disk full: MISCONF); for the gateway each is an outage."""
     import redis.exceptions as rx
 
-    return isinstance(exc, (rx.ConnectionError, rx.TimeoutError, OSError, ConnectionError, TimeoutError))
+    refusing = (rx.OutOfMemoryError, rx.ReadOnlyError, rx.MasterDownError, rx.ClusterDownError, rx.TryAgainError)
+    if isinstance(exc, (rx.ConnectionError, rx.TimeoutError, OSError, ConnectionError, TimeoutError, *refusing)):
+        return True
+    return isinstance(exc, rx.ResponseError) and "MISCONF" in str(exc)  # (no class of its own in redis-py)
 
 
 def refusal(principal: Principal, key: ApiKey | None, out: list[Any]) -> RateLimited:
