@@ -4,7 +4,9 @@ exactly the tests that load real models. Shared helpers live in tests/helpers.py
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -19,6 +21,7 @@ HERE = Path(__file__).parent
 #: $CHORUS_HOME/batches, whose batches a test's fakes would run (in-process apps get one each: helpers.gateway;
 #: a test whose process uses the Batch API gives it its own)
 os.environ["CHORUS_BATCH_DIR"] = tempfile.mkdtemp(prefix="chorus-test-batches-")
+atexit.register(shutil.rmtree, os.environ["CHORUS_BATCH_DIR"], ignore_errors=True)
 FOLDER_MARKS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -66,15 +67,20 @@ def gateway(config: ChorusConfig | dict[str, Any], engines: dict[str, Engine] | 
     """A live gateway: ``create_app(config, engines=..., **app_options)`` behind uvicorn, stopped on exit.
     ``engines``: prebuilt engines by model name (the others are loaded from the config)."""
     cfg = config if isinstance(config, ChorusConfig) else ChorusConfig.model_validate(config)
+    own = None
     if cfg.server.batches.dir is None:  # a Batch API store of its own: apps sharing one would run each other's lines
         cfg = cfg.model_copy(deep=True)
-        cfg.server.batches.dir = tempfile.mkdtemp(prefix="chorus-test-batches-")
+        cfg.server.batches.dir = own = tempfile.mkdtemp(prefix="chorus-test-batches-")
     kwargs = {"engines": dict(engines)} if engines is not None else {}
-    srv = LiveServer(create_app(cfg, **kwargs, **app_options)).start(timeout=timeout)
     try:
-        yield srv
+        srv = LiveServer(create_app(cfg, **kwargs, **app_options)).start(timeout=timeout)
+        try:
+            yield srv
+        finally:
+            srv.stop()
     finally:
-        srv.stop()
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def serve_fakes(engines: dict[str, Engine],

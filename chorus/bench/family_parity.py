@@ -1,6 +1,6 @@
 """chorus's engine and vLLM on the same family checkpoint, token for token: greedy ids and per-token logprobs.
 
-`chorus_answers` runs chorus's transformers engine in this process; `vllm_answers` runs vLLM's offline engine in
+`chorus_answers` runs chorus's transformers engine in this process; `VllmGreedy` runs vLLM's offline engine in
 vLLM's own Python (``make vllm``), every checkpoint in one process (`chorus.engines.families.on_vllm.greedy`);
 `parity` compares the two. Prompts go in as token ids, so both sides see the same tokens. The family tests and
 ``chorus bench families-vllm`` use these."""
@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,21 +61,60 @@ def vllm_python() -> Path:
     return Path(os.environ.get("CHORUS_VLLM_PYTHON", root / ".venv-vllm" / "bin" / "python"))
 
 
-def vllm_answers(model_dirs: list[Path], prompts: list[list[int]], max_tokens: int,
-                 log: Path | None = None, timeout: float = 1800) -> list[dict[str, Any]]:
-    """Greedy answers of vLLM's offline engine for each checkpoint (one process, one model after another)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"models": [str(d) for d in model_dirs], "prompts": prompts,
-                                    "max_tokens": max_tokens, "logprobs": 5}))
+class VllmGreedy:
+    """vLLM's offline engine in its own process (vLLM's Python), given one checkpoint at a time: `answer` returns
+    as soon as that checkpoint is answered, so the caller may delete it before deriving the next (one process
+    start for all of them; ``log`` takes what vLLM printed)."""
+
+    def __init__(self, prompts: list[list[int]], max_tokens: int, log: Path | None = None,
+                 timeout: float = 1800) -> None:
+        self.prompts, self.max_tokens, self.timeout = prompts, max_tokens, timeout
+        self.tmp = Path(tempfile.mkdtemp(prefix="chorus-vllm-greedy-"))
+        self.log = log or self.tmp / "vllm.log"
+        self.out = self.tmp / "out.jsonl"
+        self.got = 0
+
+    def __enter__(self) -> VllmGreedy:
+        spec = self.tmp / "spec.json"
+        spec.write_text(json.dumps({"prompts": self.prompts, "max_tokens": self.max_tokens, "logprobs": 5}))
+        self.out.touch()
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        done = subprocess.run([str(vllm_python()), "-m", "chorus.engines.families.on_vllm.greedy", str(spec),
-                               str(out)], env=env, capture_output=True, text=True, timeout=timeout)
-        if log is not None:
-            log.write_text(done.stdout + done.stderr)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM exited with {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
-        return list(json.loads(out.read_text()))
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([str(vllm_python()), "-m", "chorus.engines.families.on_vllm.greedy",
+                                          str(spec), str(self.out), "--stdin"], env=env, stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def answer(self, model_dir: Path) -> dict[str, Any]:
+        """The checkpoint's answers (as `chorus.engines.families.on_vllm.greedy` writes them)."""
+        import time
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{model_dir}\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            lines = self.out.read_text().splitlines()
+            if len(lines) > self.got:
+                self.got += 1
+                return dict(json.loads(lines[self.got - 1]))
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"vLLM exited with {self.proc.wait()} before answering {model_dir}:\n"
+                                   f"{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # (its end of the models: it exits)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @dataclass
@@ -127,6 +167,13 @@ def derive_checkpoints(base: Path, out: Path, names: list[str] | None = None,
     """Freshly derived family checkpoints of ``base`` (a Llama checkpoint) under ``out``, made so that their own
     parts matter: expert copies with noise, trained routers, MoDr branches and ReasonFormer skills with random
     (non-zero) LoRAs, routers that spread their weight and stop gates near the threshold."""
+    return dict(derived_checkpoints(base, out, names, log))
+
+
+def derived_checkpoints(base: Path, out: Path, names: list[str] | None = None,
+                        log: Any = lambda _: None) -> Iterator[tuple[str, Path]]:
+    """`derive_checkpoints` one at a time, the same checkpoints in the same order (one random generator): a
+    caller that is done with one may delete it before the next is written."""
     import torch
 
     from chorus.engines.families.graft import GraftConfig, graft
@@ -137,7 +184,6 @@ def derive_checkpoints(base: Path, out: Path, names: list[str] | None = None,
     from chorus.engines.families.reasonformer import load_reasonformer, save_reasonformer
     from chorus.training.moe import MoeTrainConfig, train_moe
 
-    made: dict[str, Path] = {}
     gen = torch.Generator().manual_seed(0)
     rand = lambda t, std: torch.randn(t.shape, generator=gen) * std  # noqa: E731
     data = out / "train.jsonl"
@@ -193,8 +239,7 @@ def derive_checkpoints(base: Path, out: Path, names: list[str] | None = None,
             _replace(d, fresh, save_reasonformer, rf)
         else:
             raise ValueError(f"unknown family checkpoint {name!r} (known: {', '.join(CHECKPOINTS)})")
-        made[name] = d
-    return made
+        yield name, d
 
 
 def _replace(d: Path, fresh: Path, save: Any, model: Any) -> None:

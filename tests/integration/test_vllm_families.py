@@ -1,6 +1,6 @@
 """chorus's model families served by vLLM (its CPU build, ``make vllm``), checked token for token against chorus's
 transformers engine on the same freshly derived checkpoints (derived from the prepared SmolLM2 once for this
-module; their own parts perturbed so that they matter): MoE in the three layouts, upcycled and trained with each
+module, one at a time, each deleted once answered; their own parts perturbed so that they matter): MoE in the three layouts, upcycled and trained with each
 router, and SOLAR-style grafted checkpoints natively; MoDr and ReasonFormer through chorus's plugin.
 
 Both sides run float32 and greedy on the same prompt token ids (a completion, code, a chat turn), 12 tokens each;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -26,33 +27,40 @@ import pytest
 from chorus.bench.families_vllm import PLUGIN_FLAGS
 from chorus.bench.family_parity import (
     CHECKPOINTS,
+    VllmGreedy,
     chorus_answers,
-    derive_checkpoints,
+    derived_checkpoints,
     parity,
     prompt_ids,
-    vllm_answers,
     vllm_python,
 )
 from chorus.clients.local import free_port, vllm_command, wait_ready
 from chorus.config import ChorusConfig
 from tests.helpers import SMOL, gateway, prepared_model_dir, require
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]  # (one fixture derives and answers ten checkpoints)
 LOGPROB_TOLERANCE = 1e-3
 TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def answered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Per checkpoint: chorus's answers and vLLM's (one vLLM process serves them one after another)."""
+    """Per checkpoint: chorus's answers and vLLM's (one vLLM process answers them one after another). Each
+    checkpoint is deleted once both have answered: the ten at once are about 10 GB of float32."""
     require(vllm_python().is_file(), f"needs vLLM's CPU build at {vllm_python()} (make vllm)")
     base = prepared_model_dir(SMOL)
     out = tmp_path_factory.mktemp("families")
-    dirs = derive_checkpoints(base, out)
     prompts = prompt_ids(base)
-    ours = {name: asyncio.run(chorus_answers(d, prompts, TOKENS)) for name, d in dirs.items()}
-    theirs = vllm_answers(list(dirs.values()), prompts, TOKENS, log=out / "vllm.log")
-    yield {name: (ours[name], got["answers"]) for name, got in zip(dirs, theirs)}
+    got = {}
+    try:
+        with VllmGreedy(prompts, TOKENS, log=out / "vllm.log") as vllm:
+            for name, d in derived_checkpoints(base, out / "checkpoints"):
+                ours = asyncio.run(chorus_answers(d, prompts, TOKENS))
+                got[name] = (ours, vllm.answer(d)["answers"])
+                shutil.rmtree(d)
+    finally:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    yield got
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))

@@ -4,10 +4,14 @@ what the family tests and ``chorus bench families-vllm`` compare with chorus's o
 Run with vLLM's Python (``make vllm``)::
 
     .venv-vllm/bin/python -m chorus.engines.families.on_vllm.greedy SPEC.json OUT.json
+    .venv-vllm/bin/python -m chorus.engines.families.on_vllm.greedy SPEC.json OUT.jsonl --stdin
 
 SPEC: ``{"models": [DIR, ...], "prompts": [[token ids], ...], "max_tokens": N, "logprobs": K}``; OUT: per model,
 per prompt, the generated ids, the chosen token's logprob per step and the top-K per step (token id -> logprob).
-Prompts go in as token ids, so both sides see the same tokens whatever their chat templates."""
+With ``--stdin`` the models come one directory per line on stdin (SPEC's ``models`` is not read) and each
+model's answers are one line of OUT, written as soon as they are known: a caller that derives checkpoints one at a
+time deletes each once answered (ten float32 checkpoints at once are about 10 GB). Prompts go in as token ids, so
+both sides see the same tokens whatever their chat templates."""
 
 from __future__ import annotations
 
@@ -43,8 +47,15 @@ def answers(model: str, prompts: list[list[int]], max_tokens: int, logprobs: int
 
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
-    got = [answers(m, spec["prompts"], spec.get("max_tokens", 16), spec.get("logprobs", 5)) for m in spec["models"]]
-    Path(argv[1]).write_text(json.dumps(got))
+    ask = lambda m: answers(m, spec["prompts"], spec.get("max_tokens", 16), spec.get("logprobs", 5))  # noqa: E731
+    if "--stdin" not in argv[2:]:
+        Path(argv[1]).write_text(json.dumps([ask(m) for m in spec["models"]]))
+        return
+    with Path(argv[1]).open("a") as out:
+        for line in sys.stdin:
+            if line.strip():
+                out.write(json.dumps(ask(line.strip())) + "\n")
+                out.flush()
 
 
 if __name__ == "__main__":
