@@ -6,13 +6,14 @@ gateway sending the prompt as token ids as it does to vLLM in production (``api:
 A mock OpenAI upstream (a raw asyncio server: fixed chat completion, or a fixed SSE stream) runs on
 127.0.0.1; wrk (Debian's, with a Lua body script) drives it directly, through one `chorus serve`
 process (an ``engine: remote`` model pointing at the mock), and through the LiteLLM proxy when its
-``litellm`` command is given (``--litellm``) or on PATH. LiteLLM is not a chorus dependency: its
-``litellm[proxy]`` extra does not resolve here; ``pip install litellm`` plus the proxy's modules by hand
-(websockets, semver, expression, fastapi-sso, mcp, soundfile, orjson, backoff, apscheduler, ...) works.
+``litellm`` command is given (``--litellm``) or on PATH. LiteLLM is not a chorus dependency: install it in a
+venv of its own (``python -m venv /tmp/litellm && /tmp/litellm/bin/pip install 'litellm[proxy]'``: 1.108.7 on
+2026-12-07; earlier releases' proxy extra did not resolve here) and pass ``--litellm /tmp/litellm/bin/litellm``.
 With ``--redis URL`` a second chorus process counts the same key's limits (rpm and tpm set, never reached) in
 Redis instead of in memory: the difference between the two chorus rows is the shared limiter's cost per request
 (one admission script, one release, one charge script). Requests/s and latency percentiles at concurrency 1 and
-32, non-streaming and streaming; one table, one run.
+32, non-streaming and streaming; each cell the median of ``--rounds`` interleaved rounds with their range (the
+added latency paired round by round with the direct path); one table, one run, ``--json`` for the data file.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 print(f"LiteLLM proxy not measured: {exc}", file=sys.stderr)
         try:
-            rows = []
+            rows: list[list[str]] = []
+            measured: list[dict[str, object]] = []
             for stream in (False, True):
                 body = {"model": "mock", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                         "max_tokens": 16, "stream": stream}
@@ -183,21 +185,42 @@ def main(args: argparse.Namespace) -> int:
                             sent = {**body, "model": name} if label.startswith("direct") else body
                             runs[label].append(wrk(url + "/v1/chat/completions", sent, c, args.seconds, tmp, key,
                                                    timeout_s=120 if args.upstream else 2))
-                    base = None
+                    direct = runs[next(iter(runs))]  # the first target: the path without a gateway
                     for label, results in runs.items():
-                        r = max(results, key=lambda x: x["rps"])  # the least disturbed round
-                        base = base or r
-                        rows.append([("stream" if stream else "non-stream"), str(c), label, f"{r['rps']:.0f}",
-                                     f"{r['p50']:.2f}", f"{r['p99']:.2f}", f"{r['p50'] - base['p50']:+.2f}",
-                                     f"{int(sum(x['non2xx'] for x in results))}"])
+                        added = [r["p50"] - d["p50"] for r, d in zip(results, direct)]  # paired by round
+                        cells = {"rps": spread([r["rps"] for r in results]), "p50": spread([r["p50"] for r in results]),
+                                 "p99": spread([r["p99"] for r in results]), "added_p50": spread(added)}
+                        measured.append({"mode": "stream" if stream else "non-stream", "concurrency": c,
+                                         "path": label, **cells,
+                                         "non2xx": int(sum(x["non2xx"] for x in results))})
+                        rows.append([("stream" if stream else "non-stream"), str(c), label,
+                                     shown(cells["rps"], "{:.0f}"), shown(cells["p50"], "{:.2f}"),
+                                     shown(cells["p99"], "{:.2f}"), shown(cells["added_p50"], "{:+.2f}"),
+                                     str(measured[-1]["non2xx"])])
         finally:
             stop_all(procs)
     header = ["mode", "conc.", "path", "req/s", "p50 ms", "p99 ms", "added p50 ms", "non-2xx"]
     where = f"upstream {args.upstream} ({args.upstream_model})" if args.upstream else "mock upstream on 127.0.0.1"
-    print(f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per run, best of {args.rounds} interleaved "
-          f"rounds per cell, {where}")
+    source = (f"chorus bench gateway: wrk, 1 thread, {args.seconds} s per run, {args.rounds} interleaved rounds per "
+              f"cell, each figure their median [lowest, highest]; added p50 paired with the direct path's same round; "
+              f"{where}")
+    print(source)
     print(markdown_table(header, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"source": source, "rounds": args.rounds, "rows": measured},
+                                              indent=1) + "\n")
     return 0
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """The rounds' median and their range (the interval a few interleaved rounds can give)."""
+    import statistics
+
+    return {"median": statistics.median(values), "low": min(values), "high": max(values)}
+
+
+def shown(cell: dict[str, float], fmt: str) -> str:
+    return f"{fmt.format(cell['median'])} [{fmt.format(cell['low'])}, {fmt.format(cell['high'])}]"
 
 
 def default_tokenizer() -> str:
@@ -213,7 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", help="a running OpenAI server to put the gateway in front of (e.g. vLLM's "
                    "http://127.0.0.1:8000/v1) instead of the mock; --tokenizer must be its model's")
     p.add_argument("--upstream-model", default="smol", help="--upstream: the model's name there")
-    p.add_argument("--rounds", type=int, default=3, help="runs per cell, interleaved; the best is reported")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="runs per cell, interleaved; each figure is their median with their range")
+    p.add_argument("--json", help="also write the rows (medians and ranges) to this file (docs/data/gateway.json)")
     p.add_argument("--log-level", default="info", help="the gateway's log level (info: one access line per request)")
     p.add_argument("--litellm", help="the LiteLLM proxy's `litellm` command (default: on PATH; not measured if absent)")
     p.add_argument("--feedback", metavar="REDIS_URL",
