@@ -147,7 +147,8 @@ def servers_for(spec: Any, path: Path, args: argparse.Namespace, tmp: Path) -> l
     top = max(args.streams)
     length = min(spec.max_model_len or 2048, 2048)
     out = [chorus("chorus serve, transformers engine",
-                  {**spec.model_dump(exclude_none=True), "max_batch_size": top, "max_model_len": length}, "tf")]
+                  {**spec.model_dump(exclude_none=True), "max_batch_size": top, "max_model_len": length,
+                   "dtype": "float32"}, "tf")]  # like vLLM here (--dtype float32), whatever the config says
     if spec.source and spec.derive is None:
         llama = {"name": spec.name, "engine": "llama_cpp", "source": spec.sources, "max_batch_size": top,
                  "max_model_len": length, "llama_cpp": {"threads": args.threads}}

@@ -105,6 +105,7 @@ class TransformersEngine(SessionEngine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from chorus.engines.families.duma import is_duma_dir
+        from chorus.engines.transformers.mapped_pages import release_unused
         from chorus.engines.transformers.prepare import is_prepared
 
         path = spec.checkpoint_dir(chorus_home())
@@ -141,7 +142,9 @@ class TransformersEngine(SessionEngine):
         gen_cfg = getattr(getattr(model, "base", model), "generation_config", None)
         gen_eos = getattr(gen_cfg, "eos_token_id", None)
         extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        log.info("loaded %s from %s in %.1fs", spec.name, path, time.perf_counter() - t0)
+        released = release_unused(model)  # the file pages of weights converted while loading (an MoE's experts)
+        log.info("loaded %s from %s in %.1fs%s", spec.name, path, time.perf_counter() - t0,
+                 f" ({released / 2**20:.0f} MiB of its mapped file given back)" if released else "")
         return cls(spec, model, HFTokenizer(hf_tok, extra_eos_ids=extra, fallback=spec.fallback_chat))
 
     async def start(self) -> None:
