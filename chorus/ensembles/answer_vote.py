@@ -19,6 +19,7 @@ tokens), the histogram, how many samples were drawn and why sampling stopped.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from chorus.ensembles.answer_types import AnswerCanon, detect_kind
 from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
-from chorus.ensembles.confidence import Tokens, token_confidence
+from chorus.ensembles.confidence import Tokens, measure, token_confidence
 from chorus.ensembles.confident import Rule, decide
 from chorus.ensembles.selector_model import load_trained
 from chorus.ensembles.spec import member_weights
@@ -52,7 +53,7 @@ class DrawParams(BaseModel):
     batch: int = Field(default=4, ge=1, le=16, description="samples drawn per member and request (n)")
     temperature: float | None = Field(default=0.7, ge=0.0, le=2.0, description=(
         "unless a member sets its own (null: the request's)"))
-    stop: str = Field(default="none", description="adaptive sampling: none, majority or beta")
+    stop: str = Field(default="none", description="adaptive sampling: none, majority, beta or agree")
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="the beta rule's threshold")
     answer_pattern: str | None = Field(default=None, description="regex; its first group is the answer")
     text_threshold: float | None = Field(default=0.85, ge=-1, le=1, description=(
@@ -91,6 +92,12 @@ class AnswerVoteParams(DrawParams):
     verifier: str | None = Field(default=None, description="a verifier trained by `chorus train verifier`")
     greedy: bool = Field(default=False, description=(
         "each member's greedy answer (temperature 0) votes too, as one more sample, first"))
+    gate: float | None = Field(default=None, description=(
+        "with greedy: the greedy answers are drawn first, alone; when they agree and each one's confidence "
+        "(gate_by) is at least this, they are the reply and no sample is drawn"))
+    gate_by: Literal["mean_logprob", "mean_confidence", "lowest_window", "bottom_10", "tail"] = Field(
+        default="mean_logprob", description="the confidence measure the gate reads (window and tail as for "
+        "confidence_by)")
 
     def rule(self) -> Rule:
         return Rule(self.confidence_by, self.keep, self.weigh, self.pick, self.window, self.tail)
@@ -179,9 +186,18 @@ def check_rule(p: AnswerVoteParams, models: list[str]) -> Verifier | None:
     if p.verifier is not None and not uses_verifier:
         raise InvalidRequest("a verifier is read only by weigh: verifier or pick: verifier; set one of them, or "
                              "leave verifier out.", param="ensemble.verifier")
+    gated = p.gate is not None
+    if gated and not p.greedy:
+        raise InvalidRequest("gate decides on the greedy answers before any sample: it needs greedy: true.",
+                             param="ensemble.gate")
     given = p.model_fields_set
-    unread = [f for f, read in (("window", p.confidence_by in ("lowest_window", "bottom_10")),
-                                ("tail", p.confidence_by == "tail"), ("top_logprobs", by or p.verifier is not None))
+    if "gate_by" in given and not gated:
+        raise InvalidRequest("gate_by is read only by the gate; set gate (a confidence threshold), or leave gate_by "
+                             "out.", param="ensemble.gate_by")
+    measures = {p.confidence_by} | ({p.gate_by} if gated else set())
+    unread = [f for f, read in (("window", bool(measures & {"lowest_window", "bottom_10"})),
+                                ("tail", "tail" in measures),
+                                ("top_logprobs", by or p.verifier is not None or (gated and p.gate_by != "mean_logprob")))
               if f in given and not read]
     if unread:
         raise InvalidRequest(f"{unread[0]} is read only by a confidence measure that uses it (window: lowest_window, "
@@ -225,12 +241,13 @@ class AnswerVote(Strategy):
         self.rule = p.rule()
         self.model_names = list(dict.fromkeys(m.spec.model for m in self.members))
         self.verifier = check_rule(p, self.model_names)
-        reads = p.confidence_by != "none" or (self.verifier is not None and self.verifier.confidence)
+        reads = (p.confidence_by != "none" or (self.verifier is not None and self.verifier.confidence)
+                 or (p.gate is not None and p.gate_by != "mean_logprob"))
         deaf = [m.label for m in self.members if not getattr(m.engine, "relays_logprobs", True)]
-        if reads and deaf:
+        if (reads or p.gate is not None) and deaf:
+            field = ("gate" if p.gate is not None else "verifier" if p.confidence_by == "none" else "confidence_by")
             raise InvalidRequest(f"confidence reads the samples' token log-probabilities, and member(s) "
-                                 f"{', '.join(deaf)} do not relay them.",
-                                 param="ensemble.verifier" if p.confidence_by == "none" else "ensemble.confidence_by")
+                                 f"{', '.join(deaf)} do not relay them.", param=f"ensemble.{field}")
         self.top = p.top_logprobs if reads else 0
 
     def per_member(self) -> int:
@@ -252,6 +269,15 @@ class AnswerVote(Strategy):
         stopped = ""
         t = Tally()
         first = p.greedy  # the greedy answers are drawn beside the first batch
+        if p.gate is not None:  # ... or alone, first: confident and agreeing, they are the reply
+            with spans.step("vote.gate"):
+                await gather(*(d.draw(m, 1, greedy=True) for m in alive))
+            first = False
+            gate = self.gated(d)
+            call.trace["gate"] = gate
+            if gate["passed"]:
+                alive, stopped = [], "the greedy answers agree and are confident: no sample drawn"
+                t = tally(d.all(), self.weights, p.unfinished)
         while alive:
             left = {m.label: p.samples - len(d.samples.get(m.label, [])) for m in alive}
             with spans.step("vote.batch", chorus__drawn=len(d.all())):
@@ -284,6 +310,25 @@ class AnswerVote(Strategy):
                            "reason": self.reason(t, answer)})
         for delta in choices(call, ranked):
             yield delta
+
+    def gated(self, d: Drawer) -> dict[str, Any]:
+        """The gate's decision on the greedy answers drawn: each one's confidence by ``gate_by``; passed when
+        every member gave one, they all give the same answer, and each is at least ``gate``."""
+        p: AnswerVoteParams = self.params
+        gate = p.gate if p.gate is not None else math.inf
+        conf: dict[str, float | None] = {}
+        for m in self.members:
+            s = d.greedy.get(m.label)
+            if s is None:
+                conf[m.label] = None
+            elif p.gate_by == "mean_logprob":
+                conf[m.label] = s.mean_logprob
+            else:
+                conf[m.label] = measure(s.per_token, p.gate_by, p.window, p.tail) if s.per_token else None
+        answers = {s.canonical for s in d.greedy.values()}
+        passed = (len(d.greedy) == len(self.members) and len(answers) == 1 and "" not in answers
+                  and all(c is not None and c >= gate for c in conf.values()))
+        return {"by": p.gate_by, "threshold": p.gate, "confidence": conf, "passed": passed}
 
     def reason(self, t: Tally, answer: str) -> str:
         if not answer:

@@ -19,6 +19,9 @@ offline evidence replay call the same functions, so a table and a served request
   - ``beta`` (Adaptive-Consistency, Aggarwal et al. 2023): with the two leading counts ``v1 >= v2``, stop when
     ``P(p1 > p2) >= confidence`` under ``p ~ Beta(v1 + 1, v2 + 1)`` (the leader's share among the two); the
     ``majority`` rule also applies;
+  - ``agree``: stop as soon as every vote so far gives one answer and there are at least two of them (answer_vote's
+    greedy answer and one sample that agrees with it: the cheap case of Adaptive-Consistency); once they
+    disagree, the ``majority`` rule;
   - ``none``: draw every sample.
 - `agreement`: the share of a member's voting samples that give its majority answer (the confidence of
   consistency-based selection and of the agreement cascade).
@@ -34,8 +37,8 @@ from scipy import stats
 
 from chorus.ensembles.confidence import Tokens
 
-StopRule = Literal["none", "majority", "beta"]
-STOP_RULES: tuple[str, ...] = ("none", "majority", "beta")
+StopRule = Literal["none", "majority", "beta", "agree"]
+STOP_RULES: tuple[str, ...] = ("none", "majority", "beta", "agree")
 Unfinished = Literal["abstain", "vote"]
 
 
@@ -170,6 +173,8 @@ def settled(t: Tally, remaining: float, rule: str, confidence: float = 0.95) -> 
     v2 = ranked[1][1] if len(ranked) > 1 else 0.0
     if v1 - v2 > remaining:
         return True, f"the lead ({v1:g} to {v2:g}) is larger than the {remaining:g} votes left"
+    if rule == "agree" and len(ranked) == 1 and v1 >= 2:
+        return True, f"the {v1:g} votes so far agree"
     if rule == "beta":
         p = beta_confidence(v1, v2)
         if p >= confidence:

@@ -51,6 +51,20 @@ def test_topk_union_with_one_weight_is_that_member(sdk: openai.OpenAI, weights: 
     assert set(ens.model_extra["ensemble"]["usage_by_member"]) == {QWEN, SMOL}
 
 
+def test_the_gate_answers_with_the_greedy_text_where_it_does_not_sample(sdk: openai.OpenAI) -> None:
+    """answer_vote with a gate on Qwen: a greedy answer above the threshold is the reply, its text the model's own
+    temperature-0 answer, and nothing is sampled; under an unreachable threshold the samples are drawn."""
+    single = ask(sdk, QWEN, temperature=0, max_tokens=24)
+    body = {"strategy": "answer_vote", "members": [QWEN], "greedy": True, "samples": 2, "answer": "text",
+            "trace": True}
+    passed = ask(sdk, "ensemble", {**body, "gate": -5.0}, max_tokens=24)
+    trace = passed.model_extra["ensemble"]
+    assert trace["gate"]["passed"] and trace["drawn"] == 1, trace["gate"]
+    assert passed.choices[0].message.content == single.choices[0].message.content
+    sampled = ask(sdk, "ensemble", {**body, "gate": 0.5}, max_tokens=24, seed=3).model_extra["ensemble"]
+    assert not sampled["gate"]["passed"] and sampled["drawn"] == 3
+
+
 def test_topk_union_of_both_models_streams(sdk: openai.OpenAI) -> None:
     chunks = list(ask(sdk, "unite-default", temperature=0, max_tokens=16, stream=True,
                       stream_options={"include_usage": True}))

@@ -102,6 +102,8 @@ def test_the_reply_is_the_likeliest_sample_of_the_winning_answer() -> None:
     ("aaaaaaaaaaaaaaaa", 16, "majority", 12),  # a lead of 12 cannot be caught by the 4 left
     ("abababababababab", 16, "beta", 16),  # never settled: every sample
     ("aaaaaaaaaaaaaaaa", 16, "none", 16),
+    ("aaaaaaaaaaaaaaaa", 16, "agree", 4),  # the first batch all agree
+    ("aaabaaaaaaaaaaaa", 16, "agree", 12),  # once they disagree: the majority rule
 ])
 def test_stopping_rules_on_answer_streams(stream: str, total: int, rule: str, stops_after: int) -> None:
     drawn = 0
@@ -110,6 +112,12 @@ def test_stopping_rules_on_answer_streams(stream: str, total: int, rule: str, st
         if settled(t, total - drawn, rule)[0]:
             break
     assert drawn == stops_after
+
+
+def test_agree_stops_at_two_agreeing_votes() -> None:
+    assert settled(tally([S("m", "a"), S("m", "a")]), 3, "agree")[0]
+    assert not settled(tally([S("m", "a")]), 3, "agree")[0]  # one vote is no agreement
+    assert not settled(tally([S("m", "a"), S("m", "b")]), 3, "agree")[0]
 
 
 def test_beta_confidence() -> None:

@@ -391,3 +391,47 @@ def test_greedy_true_adds_each_members_greedy_answer_as_one_more_vote(client: op
                                        extra_body={"ensemble": {"strategy": "answer_vote", "members": ["sharp"],
                                                                 "samples": 2, "greedy": True}})
     assert isinstance(err.value.body, dict) and "exceeds the 3 samples" in err.value.body["message"]
+
+
+# ---- the gate: the greedy answers first, samples only when they are unsure or disagree ----
+
+def gated(client: openai.OpenAI, members: list[str], **ensemble: Any) -> Any:
+    body = {"strategy": "answer_vote", "members": members, "samples": 2, "answer": "number", "greedy": True,
+            "temperature": 0.7, "trace": True, **ensemble}
+    return client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "How many?"}],
+                                          seed=1, extra_body={"ensemble": body})
+
+
+@pytest.mark.parametrize("by", [{"gate": -0.5}, {"gate": 10.0, "gate_by": "lowest_window", "window": 4}])
+def test_a_confident_greedy_answer_is_the_reply_and_nothing_is_sampled(client: openai.OpenAI,
+                                                                       by: dict[str, Any]) -> None:
+    r = gated(client, ["sharp"], **by)
+    trace = r.model_extra["ensemble"]
+    assert trace["gate"]["passed"] and trace["drawn"] == 1 and trace["gate"]["by"] == by.get("gate_by", "mean_logprob")
+    assert "no sample drawn" in trace["stopped"]
+    assert r.choices[0].message.content == RIGHT  # the greedy text itself
+    assert [s.get("greedy", False) for s in trace["samples"]] == [True]
+
+
+def test_an_unsure_or_disagreeing_greedy_answer_is_sampled(client: openai.OpenAI) -> None:
+    unsure = gated(client, ["doubt"], gate=-0.5).model_extra["ensemble"]
+    assert not unsure["gate"]["passed"] and unsure["gate"]["confidence"]["doubt"] < -0.5 and unsure["drawn"] == 3
+    split = gated(client, ["doubt", "sharp"], gate=-1000.0).model_extra["ensemble"]  # confident enough, not agreed
+    assert not split["gate"]["passed"] and split["drawn"] == 6
+
+
+def test_stop_agree_ends_when_the_first_sample_agrees_with_greedy(client: openai.OpenAI) -> None:
+    trace = gated(client, ["sharp"], samples=4, batch=1, stop="agree", temperature=0).model_extra["ensemble"]
+    assert trace["drawn"] == 2 and "agree" in trace["stopped"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"greedy": False, "gate": -0.5}, "ensemble.gate"),
+    ({"gate_by": "tail"}, "ensemble.gate_by"),
+    ({"gate": -0.5, "window": 8}, "ensemble.window"),  # mean_logprob reads no window
+])
+def test_gate_fields_that_would_be_ignored_are_refused(client: openai.OpenAI, body: dict[str, Any],
+                                                       param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        gated(client, ["sharp"], **body)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == param, err.value.body
