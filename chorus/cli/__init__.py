@@ -202,6 +202,13 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         "chorus.bench.answers:add_arguments",
         config=False,
     ),
+    ("bench", "gate"): Command(
+        "the answer vote that samples only where it pays (answer_vote's gate), replayed on the cached GSM8K answers "
+        "by cost: accuracy against tokens, the Pareto front (train; test only after a committed pre-registration)",
+        "chorus.bench.answers_gate:main",
+        "chorus.bench.answers_gate:add_arguments",
+        config=False,
+    ),
     ("bench", "confidence"): Command(
         "one model's GSM8K samples voted, filtered, weighed and picked by their own confidence and by a verifier "
         "(cached, scored answers; choices on train)",

@@ -1,0 +1,167 @@
+"""`chorus bench gate`: the answer vote that samples only where it pays, replayed over the cached GSM8K answers, by
+cost: accuracy against generated tokens and modeled seconds per item for one model's rows (greedy, the majority
+of its greedy answer + k samples, and the served gate: ``answer_vote`` with ``greedy: true``, ``gate``,
+``gate_by`` and a ``stop`` rule, at every threshold of a grid), each with its Wilson interval and McNemar's p
+against greedy, and which rows are on the Pareto front (no other row at most as costly is more accurate).
+
+The gate is replayed with the served decision functions: the greedy answer's confidence by `ensembles.confidence
+.measure` (or its mean log-probability), the stop by `ensembles.voting.settled`, the vote by
+`ensembles.confident.decide` (ties by mean log-probability, as served). Samples are taken in seed order, one
+batch at a time; a sample is charged its share of its cached request's tokens and seconds.
+
+Protocol (the evidence issue's pre-registration): the train split is read freely; the test split only with
+``--preregistered FILE``, a file committed before the run (the rows it names are the headline; every other row is
+printed too, marked exploratory). Thresholds are quantiles of the train split's greedy confidences, so the grid
+itself is fixed on train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from chorus import stats as S
+from chorus.bench.answers import Item, Outcome, complete, greedy, load, score
+from chorus.ensembles.confidence import MEASURES, measure
+from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.voting import Sample, settled, tally
+from chorus.training.cascade import same
+
+QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One served configuration: ``answer_vote`` with ``greedy: true`` and these fields."""
+
+    by: str
+    threshold: float | None  # None: no gate (the samples are always drawn)
+    stop: str = "none"
+    batch: int = 4
+
+    def label(self) -> str:
+        gate = "no gate" if self.threshold is None else f"gate {self.by} >= {self.threshold:.3g}"
+        return f"{gate}, stop {self.stop}, batch {self.batch}"
+
+
+def confidence(s: Sample, by: str, window: int = 64) -> float | None:
+    """The greedy answer's confidence as the served gate reads it."""
+    if by == "mean_logprob":
+        if s.per_token is not None and len(s.per_token.lp):
+            return float(np.mean(s.per_token.lp))
+        return s.mean_logprob
+    return measure(s.per_token, by, window, window) if s.per_token is not None else None
+
+
+def shares(it: Item, m: str) -> list[tuple[Sample, float, float]]:
+    """``m``'s samples in seed order, each with its share (by its tokens) of its request's tokens and seconds."""
+    out = []
+    for b in it.samples[m]:
+        weights = [max(s.tokens, 1) for s in b.samples]
+        total = float(sum(weights))
+        out += [(s, b.tokens * w / total, b.seconds * w / total) for s, w in zip(b.samples, weights)]
+    return out
+
+
+def gated_row(m: str, k: int, g: Gate) -> Callable[[Item], Outcome]:
+    def run(it: Item) -> Outcome:
+        head = it.greedy[m]
+        first = head.samples[0]
+        voters = [Sample(first.member, first.text, first.answer, first.canonical, first.mean_logprob, first.tokens,
+                         first.finish_reason, first.per_token, greedy=True)]
+        tokens, seconds = head.tokens, head.seconds
+        c = confidence(first, g.by) if g.threshold is not None else None
+        if g.threshold is None or c is None or c < g.threshold:
+            pool = shares(it, m)[:k]
+            for at in range(0, len(pool), g.batch):
+                for s, t, sec in pool[at:at + g.batch]:
+                    voters.append(s)
+                    tokens += t
+                    seconds += sec
+                if settled(tally(voters), k - min(at + g.batch, k), g.stop)[0]:
+                    break
+        d = decide(voters, Rule(), None, "abstain", None, [m] * len(voters))
+        return Outcome(same(d.answer, it.reference), len(voters) - 1, tokens, seconds)
+    return run
+
+
+def grid(train: dict[int, Item], m: str) -> list[Gate]:
+    """No gate (stop none and agree), then each measure's train quantiles as thresholds, with stop none and agree."""
+    gates = [Gate("mean_logprob", None, "none", 4), Gate("mean_logprob", None, "agree", 1)]
+    for by in MEASURES:
+        values = [c for it in train.values() if (c := confidence(it.greedy[m].samples[0], by)) is not None]
+        if not values:
+            continue
+        for q in QUANTILES:
+            t = float(np.quantile(values, q))
+            gates += [Gate(by, t, "none", 4), Gate(by, t, "agree", 1)]
+    return gates
+
+
+def committed(path: Path) -> str:
+    """The commit that last changed ``path``, which must be committed as it is now; else exit saying why."""
+    rel = str(path)
+    changed = subprocess.run(["git", "status", "--porcelain", "--", rel], capture_output=True, text=True).stdout
+    sha = subprocess.run(["git", "log", "-1", "--format=%h", "--", rel], capture_output=True, text=True).stdout.strip()
+    if not sha or changed.strip():
+        raise SystemExit(f"chorus bench gate: {rel} is not committed as it is: the test split is read only after the "
+                         "pre-registration is in a commit")
+    return sha
+
+
+def table(items: dict[int, Item], m: str, k: int, gates: list[Gate], headline: set[str]) -> list[str]:
+    base = np.array([o.right for o in score(items, greedy(m))], dtype=float)
+    rows = [(f"{m} greedy", score(items, greedy(m)))] + [(g.label(), score(items, gated_row(m, k, g))) for g in gates]
+    costs = [(float(np.mean([o.tokens for o in out])), float(np.mean([o.right for o in out]))) for _, out in rows]
+    greedy_tokens = costs[0][0]
+    lines = ["| row | accuracy [95% CI] | vs greedy [95% CI] | McNemar p | samples / item | tokens / item | "
+             "x greedy's tokens | seconds / item | Pareto |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for (name, out), (tok, acc) in zip(rows, costs):
+        right = np.array([o.right for o in out], dtype=float)
+        lo, hi = S.accuracy_interval(right)
+        d = S.paired_difference(right, base)
+        front = not any(t <= tok and a > acc for t, a in costs)
+        mark = ("**headline** " if name in headline else "") + ("yes" if front else "")
+        lines.append(f"| {name} | {100 * acc:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] | {100 * d.delta:+.1f} "
+                     f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}] | {d.p_mcnemar:.3g} | "
+                     f"{np.mean([o.samples for o in out]):.2f} | {tok:.0f} | {tok / greedy_tokens:.2f} | "
+                     f"{np.mean([o.seconds for o in out]):.1f} | {mark} |")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    cache, m, k = Path(args.cache), args.model, args.k
+    train = {i: it for i, it in complete(load(cache, "train", [m]), {m: k}).items()
+             if it.greedy[m].samples and all(s.per_token is not None for s in it.greedy[m].samples)}
+    if not train:
+        raise SystemExit(f"chorus bench gate: no scored train items of {m} in {cache}")
+    gates = grid(train, m)
+    print(f"chorus bench gate: GSM8K, {m}, greedy + up to {k} samples, answers made whole at 768 tokens; thresholds: "
+          f"quantiles {', '.join(f'{q:g}' for q in QUANTILES)} of the train split's greedy confidences. Cost: "
+          "generated tokens; seconds as measured (the train draws shared the machine with other work: a rough "
+          "figure, not a cost to compare)")
+    print(f"\nTrain (n={len(train)}):\n")
+    print("\n".join(table(train, m, k, gates, set())))
+    if args.preregistered:
+        pre = Path(args.preregistered)
+        sha = committed(pre)
+        headline = set(json.loads(pre.read_text()).get("headline", []))
+        test = complete(load(cache, "test", [m]), {m: k})
+        print(f"\nTest (n={len(test)}; pre-registered in {pre} at {sha}: the headline rows are marked, every other "
+              "row is exploratory):\n")
+        print("\n".join(table(test, m, k, gates, headline)))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="docs/data/gsm8k", help="the answer cache (continued and scored beside it)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct-llama")
+    p.add_argument("--k", type=int, default=4, help="samples per item at most")
+    p.add_argument("--preregistered", help="a committed pre-registration (JSON with 'headline': row labels): only "
+                   "then is the test split read")

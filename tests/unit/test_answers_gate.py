@@ -1,0 +1,62 @@
+"""`chorus bench gate`'s replay of the served gate over cached answers, and its pre-registration guard."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from chorus.bench.answers import Batch, Item
+from chorus.bench.answers_gate import Gate, committed, gated_row
+from chorus.ensembles.confidence import Tokens
+from chorus.ensembles.voting import Sample
+
+
+def sample(answer: str, lp: float, tokens: int = 10) -> Sample:
+    return Sample("m", f"The answer is {answer}.", answer, answer, lp, tokens, "stop", Tokens([lp] * tokens,
+                                                                                            [5.0] * tokens))
+
+
+def item(greedy: Sample, samples: list[str]) -> Item:
+    batch = [sample(a, -1.0) for a in samples]
+    return Item("42", {"m": Batch([greedy.answer], 10.0, 1.0, samples=[greedy])},
+                {"m": [Batch(samples, 10.0 * len(samples), 4.0, samples=batch)]})
+
+
+def test_a_confident_greedy_answer_costs_only_itself() -> None:
+    it = item(sample("42", -0.01), ["41", "41", "41", "41"])
+    out = gated_row("m", 4, Gate("mean_logprob", -0.05, "none", 4))(it)
+    assert out.right and out.samples == 0 and out.tokens == 10.0
+
+
+def test_an_unsure_one_samples_and_agree_stops_at_the_first_agreeing_sample() -> None:
+    agreed = gated_row("m", 4, Gate("mean_logprob", -0.05, "agree", 1))(item(sample("42", -0.5), ["42", "41", "41",
+                                                                                                  "41"]))
+    assert agreed.samples == 1 and agreed.tokens == 20.0 and agreed.right  # greedy and the first sample agree
+    it = item(sample("41", -0.5), ["42", "41", "42", "42"])
+    torn = gated_row("m", 4, Gate("mean_logprob", -0.05, "agree", 1))(it)
+    assert torn.samples == 4 and torn.tokens == 50.0 and torn.right  # never settled: 42 has 3 of 5
+    every = gated_row("m", 4, Gate("mean_logprob", -0.05, "none", 4))(it)
+    assert every.samples == 4 and every.right
+
+
+def test_no_gate_always_samples() -> None:
+    it = item(sample("42", -0.01), ["42", "42", "42", "42"])
+    out = gated_row("m", 4, Gate("mean_logprob", None, "agree", 1))(it)
+    assert out.samples == 1 and out.right
+
+
+def test_the_test_split_needs_a_committed_preregistration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    pre = Path("pre.json")
+    pre.write_text('{"headline": []}')
+    with pytest.raises(SystemExit, match="not committed"):
+        committed(pre)
+    subprocess.run(["git", "add", "pre.json"], check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "pre"], check=True)
+    assert committed(pre)
+    pre.write_text('{"headline": ["changed after the fact"]}')
+    with pytest.raises(SystemExit, match="not committed"):
+        committed(pre)
