@@ -18,6 +18,7 @@ from chorus.engines.core.home import chorus_home
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
 from chorus.lazy import load
+from chorus.server.api.batches import ENDPOINTS
 from chorus.server.api.openai.fastpath import FastPath
 from chorus.server.batch.runner import Batches
 from chorus.server.gateway import errors, tracing
@@ -132,7 +133,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         admin_sha256=hash_key(admin_key) if admin_key else config.server.state.admin_sha256,
     )
     if config.server.batches.enabled:
-        services.batches = Batches(batch_dir(config), config.server.batches, services)
+        services.batches = Batches(batch_dir(config), config.server.batches, services, ENDPOINTS)
     app.state.services = services  # the one thing the app holds (gateway/services.py)
     errors.install(app)
     for router in ROUTERS:

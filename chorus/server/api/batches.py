@@ -11,13 +11,22 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.errors import InvalidRequest, NotFound
+from chorus.server.api.embeddings import EmbeddingsRequest
+from chorus.server.api.responses.wire import ResponsesRequest
 from chorus.server.batch.render import batch_object
 from chorus.server.batch.runner import batches_of
-from chorus.server.batch.validate import ENDPOINTS
 from chorus.server.gateway.context import Context, Ctx
 from chorus.server.reply import json_response
+from chorus.server.wire.request import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
+#: what a batch may run, and the request model its lines' bodies must pass (the app gives it to the batch runner)
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingsRequest,
+    "/v1/responses": ResponsesRequest,
+}
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 

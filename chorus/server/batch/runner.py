@@ -23,10 +23,12 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message
 
 from chorus.config import BatchesSection
@@ -51,10 +53,14 @@ class Batches:
     """The Batch API of one app: its store, opened when first used or, at start-up, when one is already there
     (a restarted server resumes its unfinished batches), and the runner working through it."""
 
-    def __init__(self, root: Path, options: BatchesSection, services: Services) -> None:
+    def __init__(self, root: Path, options: BatchesSection, services: Services,
+                 endpoints: Mapping[str, type[BaseModel]]) -> None:
         self.root = root
         self.options = options
         self.services = services
+        #: what a batch may run and the request model each line's body must pass (given by the API layer,
+        #: server/api/batches.py's ENDPOINTS: the batch layer names no API module)
+        self.endpoints = dict(endpoints)
         self.app: ASGIApp | None = None
         self._store: AnyStore | None = None
         state = services.config.server.state.store
@@ -76,7 +82,7 @@ class Batches:
             else:
                 self._store = Store(self.root)
             if self.app is not None:
-                self.runner = Runner(self.app, self.services, self._store, self.options)
+                self.runner = Runner(self.app, self.services, self._store, self.options, self.endpoints)
                 await self.runner.start()
         return self._store
 
@@ -101,8 +107,10 @@ def batches_of(ctx: Context) -> Batches:
 
 
 class Runner:
-    def __init__(self, app: ASGIApp, services: Services, store: AnyStore, options: BatchesSection) -> None:
+    def __init__(self, app: ASGIApp, services: Services, store: AnyStore, options: BatchesSection,
+                 endpoints: Mapping[str, type[BaseModel]]) -> None:
         self.app = app
+        self.endpoints = endpoints
         self.services = services
         self.store = store
         self.options = options
@@ -190,8 +198,9 @@ class Runner:
                            "before the batch started.", "param": "input_file_id", "line": None}])
             return
         data = await self.store.read(b["input_file_id"])  # checked off the event loop: a large file blocks no one
-        lines, errors = await asyncio.to_thread(read_lines, data, b["endpoint"], self.usable(owner),
-                                                self.options.max_lines)
+        endpoint = b["endpoint"]
+        lines, errors = await asyncio.to_thread(read_lines, data, endpoint, self.endpoints[endpoint],
+                                                self.usable(owner), self.options.max_lines)
         if errors:
             await self.fail(b, [e.as_dict() for e in errors])
             return

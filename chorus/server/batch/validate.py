@@ -16,16 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from chorus.lazy import load
 from chorus.server.batch.store import Line
 
-#: what a batch may run, and the request model its lines' bodies must pass
-ENDPOINTS: dict[str, str] = {
-    "/v1/chat/completions": "chorus.server.wire.request:ChatCompletionRequest",
-    "/v1/completions": "chorus.server.wire.request:CompletionRequest",
-    "/v1/embeddings": "chorus.server.api.embeddings:EmbeddingsRequest",
-    "/v1/responses": "chorus.server.api.responses.wire:ResponsesRequest",
-}
 MAX_ERRORS = 10  #: errors named per failed batch (the rest are the same kind of mistake, found once these are fixed)
 MAX_CUSTOM_ID = 512
 
@@ -41,14 +33,14 @@ class LineError:
         return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
 
 
-def read_lines(data: bytes, endpoint: str, models: Collection[str], max_lines: int) -> tuple[list[Line],
-                                                                                               list[LineError]]:
-    """The file's requests, or the errors that fail the batch."""
+def read_lines(data: bytes, endpoint: str, request_model: type[BaseModel], models: Collection[str], max_lines: int
+               ) -> tuple[list[Line], list[LineError]]:
+    """The file's requests to ``endpoint``, each body checked by ``request_model`` (the endpoint's, given by the API
+    layer), or the errors that fail the batch."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return [], [LineError("invalid_file", f"The file is not UTF-8 ({exc.reason} at byte {exc.start}).")]
-    request_model: type[BaseModel] = load(ENDPOINTS[endpoint])
     lines: list[Line] = []
     errors: list[LineError] = []
     seen: dict[str, int] = {}

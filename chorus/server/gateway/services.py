@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import ASGIApp
 
@@ -57,6 +57,15 @@ class Admission:
         return max(1, limit // (active + 1))
 
 
+class BatchService(Protocol):
+    """What the app's lifespan asks of the Batch API (server/batch/runner.py's `Batches`; the API routes get the
+    class itself through `batches_of`)."""
+
+    async def start(self, app: Any) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 @dataclass
 class Services:
     config: ChorusConfig
@@ -70,7 +79,7 @@ class Services:
     started: int = field(default_factory=lambda: int(time.time()))
     engines: dict[str, Engine] = field(default_factory=dict)  #: loaded at start-up
     ensembles: dict[str, Ensemble] = field(default_factory=dict)  #: built at start-up
-    batches: Any = None  #: the Batch API (server/batch/runner.py's `Batches`; None: off)
+    batches: BatchService | None = None  #: the Batch API (server/batch/runner.py's `Batches`; None: off)
 
 
 def services_of(app: ASGIApp) -> Services:
