@@ -43,10 +43,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from chorus.engines.core.base import cancelled, gather_ready, queue_in
+from chorus.engines.llama_cpp.native_batch import fill_batch, read_logits
 from chorus.engines.llama_cpp.prefix_cache import PrefixCache
 from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite, pick_driven
 from chorus.errors import EngineFailed, InvalidRequest
@@ -381,37 +381,10 @@ class LlamaRunner:
         ``picks``: the previous decode's, sent to the event loop once the batch is set up. A driven feed's row
         is a view of llama.cpp's logits buffer, valid until the next decode: only `pick_driven` reads it (measured: the
         copy took a third of the decode thread's time between two decodes)."""
-        b = self.batch
-        n = 0
-        wanted: list[list[int]] = []
-        for f in feeds:
-            idx = []
-            for j, token in enumerate(f.tokens):
-                b.token[n] = token
-                b.pos[n] = f.start + j
-                b.n_seq_id[n] = 1
-                b.seq_id[n][0] = f.seq
-                need = f.all_logits or (f.ends and j == len(f.tokens) - 1)
-                b.logits[n] = 1 if need else 0
-                if need:
-                    idx.append(n)
-                n += 1
-            wanted.append(idx)
-        b.n_tokens = n
+        wanted = fill_batch(self.batch, feeds)
         if picks:
             self._send(picks)
-        rc = self.lib.llama_decode(self.ctx, b)
+        rc = self.lib.llama_decode(self.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}" + (" (no KV cells free: raise n_ctx)" if rc == 1 else ""))
-        out = []
-        for f, idx in zip(feeds, wanted):
-            if f.drive is not None:  # read by `pick_driven` before the next decode, then dropped: no copy
-                row = self._row.from_address(ctypes.addressof(self.lib.llama_get_logits_ith(self.ctx, idx[0]).contents))
-                out.append(torch.from_numpy(np.frombuffer(memoryview(row), dtype=np.float32))[None])
-                continue
-            rows = np.empty((len(idx), self.n_vocab), dtype=np.float32)
-            for r, i in enumerate(idx):
-                ptr = self.lib.llama_get_logits_ith(self.ctx, i)
-                ctypes.memmove(rows[r].ctypes.data, ptr, self.n_vocab * 4)
-            out.append(torch.from_numpy(rows))
-        return out
+        return read_logits(self.lib, self.ctx, self._row, self.n_vocab, feeds, wanted)
