@@ -12,7 +12,9 @@ batch at a time; a sample is charged its share of its cached request's tokens an
 Protocol (the evidence issue's pre-registration): the train split is read freely; the test split only with
 ``--preregistered FILE``, a file committed before the run (the rows it names are the headline; every other row is
 printed too, marked exploratory). Thresholds are quantiles of the train split's greedy confidences, so the grid
-itself is fixed on train.
+itself is fixed on train. ``--write-preregistration FILE`` writes that file from train (at least 100 items) by a
+rule fixed here before the train split was complete (`choose`: the cheapest gated row within a point of the
+majority's train accuracy).
 """
 
 from __future__ import annotations
@@ -135,6 +137,48 @@ def table(items: dict[int, Item], m: str, k: int, gates: list[Gate], headline: s
     return lines
 
 
+MIN_TRAIN = 100  #: train items a pre-registration is written from (the evidence issue's floor)
+WITHIN = 0.01  #: the chosen row may be this far below the train majority's accuracy
+
+
+def choose(train: dict[int, Item], m: str, k: int, gates: list[Gate]) -> tuple[Gate, float, float]:
+    """The pre-registered choice, a rule fixed in code before the train split was complete: among the gated rows,
+    the one with the fewest generated tokens an item on train whose train accuracy is at least the majority's
+    (greedy + k samples, no gate) minus `WITHIN`; ties to the earlier row of the grid. With its accuracy and
+    tokens on train."""
+    majority = float(np.mean([o.right for o in score(train, gated_row(m, k, gates[0]))]))
+    best: tuple[float, int, Gate, float] | None = None
+    for i, g in enumerate(gates):
+        if g.threshold is None:
+            continue
+        out = score(train, gated_row(m, k, g))
+        acc, tok = float(np.mean([o.right for o in out])), float(np.mean([o.tokens for o in out]))
+        if acc >= majority - WITHIN and (best is None or (tok, i) < (best[0], best[1])):
+            best = (tok, i, g, acc)
+    if best is None:
+        raise SystemExit("chorus bench gate: no gated row comes within 1 point of the majority on train")
+    return best[2], best[3], best[0]
+
+
+def preregister(path: Path, train: dict[int, Item], m: str, k: int, gates: list[Gate]) -> None:
+    """Write the pre-registration (to be committed before the test split is read): the chosen row, its served
+    fields and the headline, from train alone."""
+    if len(train) < MIN_TRAIN:
+        raise SystemExit(f"chorus bench gate: {len(train)} train items; a pre-registration is written from at least "
+                         f"{MIN_TRAIN} (scripts/gsm8k-train-grow)")
+    g, acc, tok = choose(train, m, k, gates)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = {"model": m, "k": k, "train_items": len(train), "data_at": head,
+           "rule": "the gated row with the fewest tokens per item on train whose train accuracy is at least the "
+                   f"majority's (greedy + {k} samples) minus {100 * WITHIN:g} point; ties to the earlier row",
+           "served": {"strategy": "answer_vote", "greedy": True, "samples": k, "gate": g.threshold,
+                      "gate_by": g.by, "stop": g.stop, "batch": g.batch},
+           "train": {"accuracy": acc, "tokens_per_item": tok},
+           "headline": [g.label()]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\nPre-registration written to {path}: commit it, then run with --preregistered {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     cache, m, k = Path(args.cache), args.model, args.k
     train = {i: it for i, it in complete(load(cache, "train", [m]), {m: k}).items()
@@ -148,6 +192,8 @@ def main(args: argparse.Namespace) -> int:
           "figure, not a cost to compare)")
     print(f"\nTrain (n={len(train)}):\n")
     print("\n".join(table(train, m, k, gates, set())))
+    if args.write_preregistration:
+        preregister(Path(args.write_preregistration), train, m, k, gates)
     if args.preregistered:
         pre = Path(args.preregistered)
         sha = committed(pre)
@@ -165,3 +211,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="samples per item at most")
     p.add_argument("--preregistered", help="a committed pre-registration (JSON with 'headline': row labels): only "
                    "then is the test split read")
+    p.add_argument("--write-preregistration", metavar="FILE", help="write the pre-registration from train (at least "
+                   f"{MIN_TRAIN} items): the row `choose` picks, its served fields and the headline")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from chorus.bench.answers import Batch, Item
-from chorus.bench.answers_gate import Gate, committed, gated_row
+from chorus.bench.answers_gate import Gate, choose, committed, gated_row, preregister
 from chorus.ensembles.confidence import Tokens
 from chorus.ensembles.voting import Sample
 
@@ -60,3 +60,20 @@ def test_the_test_split_needs_a_committed_preregistration(tmp_path: Path, monkey
     pre.write_text('{"headline": ["changed after the fact"]}')
     with pytest.raises(SystemExit, match="not committed"):
         committed(pre)
+
+
+def test_the_preregistered_choice_is_the_cheapest_gated_row_near_the_majority(tmp_path: Path) -> None:
+    """Items where the greedy answer is right and sure (the gate skips them) and items where it is wrong and unsure
+    (the samples fix them): a gate that lets only the unsure ones sample keeps the majority's accuracy for less."""
+    sure = [item(sample("42", -0.01), ["42", "42", "41", "42"]) for _ in range(60)]
+    unsure = [item(sample("41", -0.5), ["42", "42", "42", "41"]) for _ in range(40)]
+    train = dict(enumerate(sure + unsure))
+    gates = [Gate("mean_logprob", None, "none", 4), Gate("mean_logprob", -1.0, "none", 4),
+             Gate("mean_logprob", -0.1, "none", 4), Gate("mean_logprob", -0.1, "agree", 1)]
+    g, acc, tokens = choose(train, "m", 4, gates)
+    assert g == gates[3] and acc == 1.0  # the unsure ones sampled until two agree: the cheapest that keeps 100%
+    pre = tmp_path / "pre.json"
+    preregister(pre, train, "m", 4, gates)
+    assert '"gate": -0.1' in pre.read_text() and gates[3].label() in pre.read_text()
+    with pytest.raises(SystemExit, match="at least 100"):
+        preregister(pre, dict(list(train.items())[:99]), "m", 4, gates)
