@@ -71,7 +71,7 @@ def test_the_preregistered_choice_is_the_cheapest_gated_row_near_the_majority(tm
     gates = [Gate("mean_logprob", None, "none", 4), Gate("mean_logprob", -1.0, "none", 4),
              Gate("mean_logprob", -0.1, "none", 4), Gate("mean_logprob", -0.1, "agree", 1)]
     g, acc, tokens = choose(train, "m", 4, gates)
-    assert g == gates[3] and acc == 1.0  # the unsure ones sampled until two agree: the cheapest that keeps 100%
+    assert g == gates[3] and acc == 1.0 and tokens == 22.0  # the unsure ones sample until the vote is settled
     pre = tmp_path / "pre.json"
     preregister(pre, train, "m", 4, gates)
     assert '"gate": -0.1' in pre.read_text() and gates[3].label() in pre.read_text()
