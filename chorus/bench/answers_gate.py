@@ -4,8 +4,8 @@ of its greedy answer + k samples, and the served gate: ``answer_vote`` with ``gr
 ``gate_by`` and a ``stop`` rule, at every threshold of a grid), each with its Wilson interval and McNemar's p
 against greedy, and which rows are on the Pareto front (no other row at most as costly is more accurate).
 
-The gate is replayed with the served decision functions: the greedy answer's confidence by `ensembles.confidence
-.measure` (or its mean log-probability), the stop by `ensembles.voting.settled`, the vote by
+The gate is replayed with the served decision functions: the greedy answer's confidence by `ensembles.confident
+.sample_confidence`, the stop by `ensembles.voting.settled`, the vote by
 `ensembles.confident.decide` (ties by mean log-probability, as served). Samples are taken in seed order, one
 batch at a time; a sample is charged its share of its cached request's tokens and seconds.
 
@@ -20,6 +20,7 @@ majority's train accuracy).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 from collections.abc import Callable
@@ -30,8 +31,8 @@ import numpy as np
 
 from chorus import stats as S
 from chorus.bench.answers import Item, Outcome, complete, greedy, load, score
-from chorus.ensembles.confidence import MEASURES, measure
-from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.confidence import MEASURES
+from chorus.ensembles.confident import Rule, decide, sample_confidence
 from chorus.ensembles.voting import Sample, settled, tally
 from chorus.training.cascade import same
 
@@ -52,15 +53,6 @@ class Gate:
         return f"{gate}, stop {self.stop}, batch {self.batch}"
 
 
-def confidence(s: Sample, by: str, window: int = 64) -> float | None:
-    """The greedy answer's confidence as the served gate reads it."""
-    if by == "mean_logprob":
-        if s.per_token is not None and len(s.per_token.lp):
-            return float(np.mean(s.per_token.lp))
-        return s.mean_logprob
-    return measure(s.per_token, by, window, window) if s.per_token is not None else None
-
-
 def shares(it: Item, m: str) -> list[tuple[Sample, float, float]]:
     """``m``'s samples in seed order, each with its share (by its tokens) of its request's tokens and seconds."""
     out = []
@@ -75,10 +67,9 @@ def gated_row(m: str, k: int, g: Gate) -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
         head = it.greedy[m]
         first = head.samples[0]
-        voters = [Sample(first.member, first.text, first.answer, first.canonical, first.mean_logprob, first.tokens,
-                         first.finish_reason, first.per_token, greedy=True)]
+        voters = [dataclasses.replace(first, greedy=True)]
         tokens, seconds = head.tokens, head.seconds
-        c = confidence(first, g.by) if g.threshold is not None else None
+        c = sample_confidence(first, g.by) if g.threshold is not None else None
         if g.threshold is None or c is None or c < g.threshold:
             pool = shares(it, m)[:k]
             for at in range(0, len(pool), g.batch):
@@ -97,7 +88,7 @@ def grid(train: dict[int, Item], m: str) -> list[Gate]:
     """No gate (stop none and agree), then each measure's train quantiles as thresholds, with stop none and agree."""
     gates = [Gate("mean_logprob", None, "none", 4), Gate("mean_logprob", None, "agree", 1)]
     for by in MEASURES:
-        values = [c for it in train.values() if (c := confidence(it.greedy[m].samples[0], by)) is not None]
+        values = [c for it in train.values() if (c := sample_confidence(it.greedy[m].samples[0], by)) is not None]
         if not values:
             continue
         for q in QUANTILES:

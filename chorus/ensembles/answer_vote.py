@@ -31,8 +31,8 @@ from chorus.ensembles.answer_types import AnswerCanon, detect_kind
 from chorus.ensembles.answers import compile_pattern, extract_answer
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
-from chorus.ensembles.confidence import Tokens, measure, token_confidence
-from chorus.ensembles.confident import Rule, decide
+from chorus.ensembles.confidence import Tokens, token_confidence
+from chorus.ensembles.confident import Rule, decide, sample_confidence
 from chorus.ensembles.selector_model import load_trained
 from chorus.ensembles.spec import member_weights
 from chorus.ensembles.verifier_model import ARTIFACT, Verifier
@@ -316,15 +316,8 @@ class AnswerVote(Strategy):
         every member gave one, they all give the same answer, and each is at least ``gate``."""
         p: AnswerVoteParams = self.params
         gate = p.gate if p.gate is not None else math.inf
-        conf: dict[str, float | None] = {}
-        for m in self.members:
-            s = d.greedy.get(m.label)
-            if s is None:
-                conf[m.label] = None
-            elif p.gate_by == "mean_logprob":
-                conf[m.label] = s.mean_logprob
-            else:
-                conf[m.label] = measure(s.per_token, p.gate_by, p.window, p.tail) if s.per_token else None
+        conf = {m.label: sample_confidence(s, p.gate_by, p.window, p.tail) if (s := d.greedy.get(m.label)) else None
+                for m in self.members}
         answers = {s.canonical for s in d.greedy.values()}
         passed = (len(d.greedy) == len(self.members) and len(answers) == 1 and "" not in answers
                   and all(c is not None and c >= gate for c in conf.values()))

@@ -52,6 +52,15 @@ class Decision:
     verified: list[float] | None  # per sample, the verifier's probability
 
 
+def sample_confidence(s: Sample, by: str, window: int = 64, tail: int = 64) -> float | None:
+    """One sample's confidence by ``by`` (`confidence.MEASURES`) from its token numbers; without them, its mean
+    log-probability for ``mean_logprob`` (the same number, kept on every sample) and None for the others. What
+    `answer_vote`'s gate reads of a greedy answer, served and replayed (`chorus bench gate`)."""
+    if s.per_token is not None:
+        return measure(s.per_token, by, window, tail)
+    return s.mean_logprob if by == "mean_logprob" else None
+
+
 def decide(samples: Sequence[Sample], rule: Rule, weights: dict[str, float] | None = None,
            unfinished: Unfinished = "abstain", verifier: Verifier | None = None,
            models: Sequence[str] | None = None) -> Decision:
