@@ -56,7 +56,7 @@ class LogSection(BaseModel):
 
 
 class SessionsSection(BaseModel):
-    """Token-level sessions over HTTP (``/chorus/v1/sessions``, server/api/sessions.py)."""
+    """Token-level sessions over HTTP (``/chorus/v1/sessions``, server/api/extensions/sessions.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -141,7 +141,7 @@ class FeedbackMetric(BaseModel):
 
 
 class FeedbackSection(BaseModel):
-    """``POST /v1/feedback`` (server/api/feedback.py): the metrics it accepts and how long a request is kept for it
+    """``POST /v1/feedback`` (server/api/extensions/feedback.py): the metrics it accepts and how long a request is kept for it
     (in the state store: Redis when configured, so any replica joins feedback to any replica's requests)."""
 
     model_config = ConfigDict(extra="forbid")

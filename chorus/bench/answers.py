@@ -30,9 +30,9 @@ import numpy as np
 from chorus import stats as S
 from chorus.clients.eval_gsm8k import read
 from chorus.clients.eval_gsm8k_continue import continued_path, whole
-from chorus.ensembles.answers import extract_answer
-from chorus.ensembles.consistency_select import choose
-from chorus.ensembles.voting import Sample, Unfinished, agreement, from_answers, settled, tally
+from chorus.ensembles.answers.extract import extract_answer
+from chorus.ensembles.answers.votes import Sample, Unfinished, agreement, from_answers, settled, tally
+from chorus.ensembles.strategies.consistency_select import choose
 from chorus.training.cascade import fit_thresholds, same
 from chorus.training.verifier import read_scores, row_samples
 
@@ -69,7 +69,7 @@ def load(cache: Path, split: str, models: list[str], budget: int | None = 768, s
     """The cached items of ``split``; with ``budget``, every answer cut at the cache's cap made whole with its
     continuation to that budget (`chorus eval gsm8k-continue`), and the token numbers of scored answers
     (`chorus eval gsm8k-score`) on its samples unless ``scored`` is False. With ``reread``, each answer is read
-    from its text by today's extractor (ensembles/answers.py), not taken as it was extracted when drawn."""
+    from its text by today's extractor (ensembles/answers/extract.py), not taken as it was extracted when drawn."""
     items: dict[int, Item] = {}
     for m in models:
         path = cache / split / f"{m}.jsonl"

@@ -1,5 +1,5 @@
 """`chorus bench answers`' confidence section: one model's samples voted, filtered, weighed and picked by their own
-confidence (`ensembles.confident.decide`, the served `answer_vote` decision) and by the verifier of `chorus train
+confidence (`ensembles.answers.decide.decide`, the served `answer_vote` decision) and by the verifier of `chorus train
 verifier` (`training.verifier.fit_verifier`, the same fit), replayed over the cached samples and their scores.
 
 Every choice on train: the rule (measure, ``keep``, ``weigh``, window) with the best train accuracy, ties to the
@@ -24,10 +24,10 @@ import numpy as np
 
 from chorus import stats as S
 from chorus.bench.answers import Item, Outcome, complete, draw, greedy, load, model_seconds, score
-from chorus.ensembles.confidence import MEASURES
-from chorus.ensembles.confident import Rule, decide
-from chorus.ensembles.verifier_model import Verifier
-from chorus.ensembles.voting import Sample
+from chorus.ensembles.answers.confidence import MEASURES
+from chorus.ensembles.answers.decide import Rule, decide
+from chorus.ensembles.answers.votes import Sample
+from chorus.ensembles.fitted.verifier import Verifier
 from chorus.training.cascade import same
 from chorus.training.verifier import fit_verifier
 

@@ -4,9 +4,9 @@ of its greedy answer + k samples, and the served gate: ``answer_vote`` with ``gr
 ``gate_by`` and a ``stop`` rule, at every threshold of a grid), each with its Wilson interval and McNemar's p
 against greedy, and which rows are on the Pareto front (no other row at most as costly is more accurate).
 
-The gate is replayed with the served decision functions: the greedy answer's confidence by `ensembles.confident
-.sample_confidence`, the stop by `ensembles.voting.settled`, the vote by
-`ensembles.confident.decide` (ties by mean log-probability, as served). Samples are taken in seed order, one
+The gate is replayed with the served decision functions: the greedy answer's confidence by `ensembles.answers.decide
+.sample_confidence`, the stop by `ensembles.answers.votes.settled`, the vote by
+`ensembles.answers.decide.decide` (ties by mean log-probability, as served). Samples are taken in seed order, one
 batch at a time; a sample is charged its share of its cached request's tokens and seconds.
 
 Protocol (the evidence issue's pre-registration): the train split is read freely; the test split only with
@@ -31,9 +31,9 @@ import numpy as np
 
 from chorus import stats as S
 from chorus.bench.answers import Item, Outcome, complete, greedy, load, score
-from chorus.ensembles.confidence import MEASURES
-from chorus.ensembles.confident import Rule, decide, sample_confidence
-from chorus.ensembles.voting import Sample, settled, tally
+from chorus.ensembles.answers.confidence import MEASURES
+from chorus.ensembles.answers.decide import Rule, decide, sample_confidence
+from chorus.ensembles.answers.votes import Sample, settled, tally
 from chorus.training.cascade import same
 
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)

@@ -31,7 +31,7 @@ import httpx
 
 from chorus.clients.eval_gsm8k import cache_arguments, cache_path, items, prompt, read
 from chorus.clients.eval_gsm8k_continue import continued_path, key, post, scored_path, whole
-from chorus.ensembles.confidence import token_confidence
+from chorus.ensembles.answers.confidence import token_confidence
 
 
 def chat_head(config: str | None, model: str) -> Any:

@@ -32,8 +32,8 @@ import numpy as np
 from scipy import stats
 
 from chorus.bench.answers import Item, complete, first, load, majority
+from chorus.ensembles.answers.votes import agreement, from_answers
 from chorus.ensembles.routers.bandit import LinearArm, OnlinePolicy, PolicyParams, features, projection
-from chorus.ensembles.voting import agreement, from_answers
 from chorus.training.cascade import same
 
 SMALL, LARGE = "qwen2.5-coder-0.5b-instruct-llama", "qwen2.5-coder-1.5b-instruct-llama"

@@ -34,7 +34,7 @@ import numpy as np
 from chorus import stats as S
 from chorus.clients.eval_choices import member_answers, member_seconds
 from chorus.clients.local import markdown_table
-from chorus.ensembles.selector_model import artifact_path
+from chorus.ensembles.fitted.artifact import artifact_path
 from chorus.training.selector import best_norms, correctness, data_hash, fit_router, fit_selector
 
 

@@ -19,7 +19,7 @@ def train_selector(args: argparse.Namespace) -> int:
     from chorus.bench.selector import prices
     from chorus.clients.eval_choices import member_answers, member_seconds
     from chorus.clients.eval_generative import is_generative
-    from chorus.ensembles.selector_model import artifact_path
+    from chorus.ensembles.fitted.artifact import artifact_path
     from chorus.training.selector import best_norms, correctness, data_hash, fit_selector
 
     if len(args.member) < 2:
@@ -56,7 +56,7 @@ def train_selector(args: argparse.Namespace) -> int:
 def fit_saved_router(args: argparse.Namespace, data: Path, texts: list[str], right: np.ndarray,
                      costs: dict[str, float]) -> Any:
     """The prompt-only router fit on ``texts`` (``right``: (items, members)), saved as ``router.json``."""
-    from chorus.ensembles.selector_model import artifact_path
+    from chorus.ensembles.fitted.artifact import artifact_path
     from chorus.ensembles.similarity import Embedder
     from chorus.training.selector import data_hash, fit_router
 
@@ -80,7 +80,7 @@ def router_line(args: argparse.Namespace, router: Any) -> str:
 def train_router_only(args: argparse.Namespace, data: Path) -> int:
     from chorus.bench.selector import prices
     from chorus.clients.eval_generative import member_outcomes
-    from chorus.ensembles.selector_model import artifact_path
+    from chorus.ensembles.fitted.artifact import artifact_path
 
     items, right, secs = member_outcomes(args.url, data, args.member, Path(args.cache), offset=args.offset,
                                          limit=args.limit, concurrency=args.concurrency, max_tokens=args.max_tokens)

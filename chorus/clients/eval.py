@@ -31,7 +31,7 @@ import httpx
 
 from chorus.clients import eval_choices
 from chorus.clients.local import free_port, markdown_table, wait_ready
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers.extract import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
 

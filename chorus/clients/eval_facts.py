@@ -11,7 +11,7 @@ name); unit conversions are computed. Categories (``--n`` questions in all, spli
 - ``convert``: "How many {small} are in {k} {big}?" (metres / centimetres, kilograms / grams, ...) -> a number.
 
 Every system gets the bare question as one chat message (greedy, ``--max-tokens``). Scoring: the answer is
-extracted as Exchange-of-Thought extracts it (ensembles/answers.py: ``number`` for conversions, ``text``
+extracted as Exchange-of-Thought extracts it (ensembles/answers/extract.py: ``number`` for conversions, ``text``
 otherwise: the text after "the answer is", else the first sentence); a text answer is right when a
 reference, normalised as SQuAD normalises answers, appears in the normalised answer as whole words
 ("The capital of France is Paris" contains "paris"), a number when it equals the reference. The table
@@ -37,7 +37,7 @@ import numpy as np
 
 from chorus import stats as S
 from chorus.clients.local import markdown_table
-from chorus.ensembles.answers import extract_answer, normalise_text
+from chorus.ensembles.answers.extract import extract_answer, normalise_text
 
 CATEGORIES = {"capital": 0.35, "continent": 0.2, "symbol": 0.125, "element": 0.125, "convert": 0.2}
 CONTINENTS = {"AS": ["Asia"], "EU": ["Europe"], "AF": ["Africa"], "NA": ["North America"],

@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 from chorus.clients.eval_choices import cache_file, read_cache
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers.extract import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is X".'
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

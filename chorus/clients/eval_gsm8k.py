@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from chorus.clients.eval_generative import choice_text, first_number, request
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers.extract import extract_answer
 
 INSTRUCTION = 'Solve the problem step by step, and end with "The answer is N", where N is a number.'
 SEED = 1_000_000

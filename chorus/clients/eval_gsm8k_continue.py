@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from chorus.clients.eval_gsm8k import SEED, cache_arguments, cache_path, items, prompt, read, same_number
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers.extract import extract_answer
 
 
 def continued_path(root: Path, split: str, model: str) -> Path:

@@ -1,5 +1,5 @@
-"""Strategies over engines, one module (or package) each, in one registry (base.py: `STRATEGIES`): logit averaging
-(``logit_average/``), answer votes, consistency selection, cascades, routing (``route.py`` over ``routers/``, a
-registry of its own), Exchange-of-Thought, crowd voting, mixture-of-agents, learned selection. Answer types and
-extraction live here once (``answer_types.py``, ``answers.py``); so do the similarity measures and the trained
-artifacts the strategies serve. Nothing here imports FastAPI."""
+"""Strategies over engines, in one registry (base.py: `STRATEGIES`): the text-level strategies in ``strategies/``
+(answer votes, consistency selection, cascades, routing over ``routers/``, Exchange-of-Thought, crowd voting,
+mixture-of-agents, learned selection, choice averaging), logit averaging in ``logit_average/``. What they share
+has a room each: drawing samples (``drawing.py``), the answer machinery (``answers/``: extraction, kinds, votes,
+confidence, the decision rules) and the fitted artifacts they serve (``fitted/``). Nothing here imports FastAPI."""

@@ -43,15 +43,15 @@ T = TypeVar("T")
 
 STRATEGIES: dict[str, str] = {
     "logit_average": "chorus.ensembles.logit_average.strategy:LogitAverageStrategy",
-    "exchange_of_thought": "chorus.ensembles.exchange_of_thought:ExchangeOfThought",
-    "crowd_vote": "chorus.ensembles.crowd_vote:CrowdVote",
-    "mixture_of_agents": "chorus.ensembles.mixture_of_agents:MixtureOfAgents",
-    "route": "chorus.ensembles.route:Route",
-    "cascade": "chorus.ensembles.cascade:Cascade",
-    "choice_average": "chorus.ensembles.choice_average:ChoiceAverage",
-    "select": "chorus.ensembles.select:Select",
-    "answer_vote": "chorus.ensembles.answer_vote:AnswerVote",
-    "consistency_select": "chorus.ensembles.consistency_select:ConsistencySelect",
+    "exchange_of_thought": "chorus.ensembles.strategies.exchange_of_thought:ExchangeOfThought",
+    "crowd_vote": "chorus.ensembles.strategies.crowd_vote:CrowdVote",
+    "mixture_of_agents": "chorus.ensembles.strategies.mixture_of_agents:MixtureOfAgents",
+    "route": "chorus.ensembles.strategies.route:Route",
+    "cascade": "chorus.ensembles.strategies.cascade:Cascade",
+    "choice_average": "chorus.ensembles.strategies.choice_average:ChoiceAverage",
+    "select": "chorus.ensembles.strategies.select:Select",
+    "answer_vote": "chorus.ensembles.strategies.answer_vote:AnswerVote",
+    "consistency_select": "chorus.ensembles.strategies.consistency_select:ConsistencySelect",
 }
 
 

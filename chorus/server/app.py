@@ -18,7 +18,7 @@ from chorus.engines.core.home import chorus_home
 from chorus.engines.core.registry import build_engine, not_ready
 from chorus.ensembles.base import Ensemble
 from chorus.lazy import load
-from chorus.server.api.batches import ENDPOINTS
+from chorus.server.api.openai.batches import ENDPOINTS
 from chorus.server.api.openai.fastpath import FastPath
 from chorus.server.batch.runner import Batches
 from chorus.server.gateway import errors, tracing
@@ -36,20 +36,24 @@ log = logging.getLogger("chorus.server")
 
 #: every API surface's routes (server/api/), as "module:router" (the registries' convention): a new surface is its
 #: own module and one line here
-ROUTERS = (
-    "chorus.server.api.openai.models:router",  # /v1/models, /health, /metrics
+SURFACES = (
+    # OpenAI's
+    "chorus.server.api.openai.models:router",
     "chorus.server.api.openai.routes:router",  # chat and completions
-    "chorus.server.api.responses.routes:router",
-    "chorus.server.api.messages.routes:router",
-    "chorus.server.api.choices:router",
-    "chorus.server.api.embeddings:router",
-    "chorus.server.api.feedback:router",
-    "chorus.server.api.sessions:router",
-    "chorus.server.api.sessions:router_v2",
-    "chorus.server.api.admin:router",
-    "chorus.server.api.files:router",
-    "chorus.server.api.batches:router",
-    "chorus.server.api.playground.routes:router",
+    "chorus.server.api.openai.embeddings:router",
+    "chorus.server.api.openai.files:router",
+    "chorus.server.api.openai.batches:router",
+    "chorus.server.api.openai.responses.routes:router",
+    # Anthropic's
+    "chorus.server.api.anthropic.routes:router",
+    # chorus's own
+    "chorus.server.api.extensions.ops:router",  # /health, /metrics
+    "chorus.server.api.extensions.choices:router",
+    "chorus.server.api.extensions.feedback:router",
+    "chorus.server.api.extensions.sessions:router",
+    "chorus.server.api.extensions.sessions:router_v2",
+    "chorus.server.api.extensions.admin:router",
+    "chorus.server.api.extensions.playground.routes:router",
 )
 
 def key_state(config: ChorusConfig) -> KeyState:
@@ -136,7 +140,7 @@ def create_app(config: ChorusConfig, engines: dict[str, Engine] | None = None, a
         services.batches = Batches(batch_dir(config), config.server.batches, services, ENDPOINTS)
     app.state.services = services  # the one thing the app holds (gateway/services.py)
     errors.install(app)
-    for router in ROUTERS:
+    for router in SURFACES:
         app.include_router(load(router))
     app.add_middleware(FastPath)  # inside the limits: the two completion routes skip FastAPI's routing
     uploads = {"/v1/files": config.server.batches.max_file_bytes} if config.server.batches.enabled else {}

@@ -165,7 +165,7 @@ def charge_members(ctx: Context, call: Call) -> None:
 
     served = ctx.resolved()
     served.member_usage = used
-    served.decision = lambda: call.decision  # an online router's, for feedback (api/feedback.py)
+    served.decision = lambda: call.decision  # an online router's, for feedback (api/extensions/feedback.py)
 
 
 def fingerprint(engine: Engine) -> str:

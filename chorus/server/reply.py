@@ -48,7 +48,7 @@ async def open_streams(ctx: Context, work: ReplyPlan) -> list[AsyncGenerator[Del
 
 class ReplyShape(Protocol):
     """Another API's shape for a chat reply (passed to `chat_reply`: the Responses API,
-    api/responses/, api/messages/): the finished chat body, or the chat chunks, become that API's."""
+    api/openai/responses/, api/anthropic/): the finished chat body, or the chat chunks, become that API's."""
 
     named_events: bool  #: SSE events named by their ``type`` (and no ``[DONE]``)
 

@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from chorus.config import Limits
-from chorus.engines.core.base import AFFINITY, BACKGROUND, CACHE_SALT, EMBEDDINGS, LOGITS, ChoiceScorer, Engine
+from chorus.engines.core.base import EMBEDDINGS, LOGITS, ChoiceScorer, Engine
+from chorus.engines.core.request_scope import AFFINITY, BACKGROUND, CACHE_SALT
 from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.ensembles.base import Ensemble
 from chorus.ensembles.spec import EnsembleSpec

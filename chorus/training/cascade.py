@@ -1,7 +1,7 @@
 """`chorus train cascade`: the agreement cascade's thresholds, fitted on a train split for a target accuracy.
 
 Input: for each train item, every member's sampled answers (members cheap to expensive) and the reference. A
-member's confidence on an item is its agreement (`ensembles.voting.agreement`: the share of its samples that
+member's confidence on an item is its agreement (`ensembles.answers.votes.agreement`: the share of its samples that
 give its majority answer); the cascade accepts member ``i``'s majority answer when that share is at least
 ``tau_i``, else asks the next member; the last member always answers. Every combination of thresholds among the
 agreement values the train split shows is simulated; the fit keeps the combination that asks the later members
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chorus.ensembles.voting import Unfinished, agreement, from_answers, tally
+from chorus.ensembles.answers.votes import Unfinished, agreement, from_answers, tally
 
 
 def same(a: str, b: str) -> bool:

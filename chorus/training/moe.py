@@ -34,7 +34,7 @@ from chorus.engines.families.checkpoint import (
 )
 from chorus.engines.families.moe import UpcycleConfig, upcycle
 from chorus.engines.families.moe_layer import MoELayer, unwrap_all, wrap_all
-from chorus.engines.families.moe_routing import DEFAULT_LAYOUT, ROUTERS
+from chorus.engines.families.moe_routing import DEFAULT_LAYOUT, GATES
 from chorus.errors import BuildError
 from chorus.training.data import pack, read_texts
 
@@ -73,8 +73,8 @@ class MoeTrainConfig:
     log_every: int = 10
 
     def check(self) -> None:
-        if self.router not in (*ROUTERS, "dense"):
-            raise BuildError(f"--router must be one of {', '.join([*ROUTERS, 'dense'])} (got {self.router!r})")
+        if self.router not in (*GATES, "dense"):
+            raise BuildError(f"--router must be one of {', '.join([*GATES, 'dense'])} (got {self.router!r})")
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 8 or self.eval_sequences < 1:
             raise BuildError("need steps >= 1, batch size >= 1, sequence length >= 8 and eval sequences >= 1")
         if not self.lr > 0:

@@ -1,4 +1,4 @@
-"""Fitting the ``select`` strategy's selector (chorus/ensembles/selector_model.py) on labelled multiple-choice items:
+"""Fitting the ``select`` strategy's selector (chorus/ensembles/fitted/selector.py) on labelled multiple-choice items:
 every member's cached answers, the gold choice. The learner is scikit-learn's logistic regression on the
 stacked (item, choice) rows (is this choice the gold one?); its regularisation is chosen by cross-validation
 over items on the training data only.
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from chorus import stats
-from chorus.ensembles.routers.learned_model import LearnedRouter, pack
-from chorus.ensembles.selector_model import NORMS, Selector, choice_features, feature_names
+from chorus.ensembles.fitted.learned_router import LearnedRouter, pack
+from chorus.ensembles.fitted.selector import NORMS, Selector, choice_features, feature_names
 
 C_GRID = (0.01, 0.1, 1.0, 10.0)  #: the logistic regression's inverse regularisation, chosen by cross-validation
 

@@ -1,4 +1,4 @@
-"""`chorus train verifier`: the small verifier `answer_vote` serves (chorus/ensembles/verifier_model.py), fitted on
+"""`chorus train verifier`: the small verifier `answer_vote` serves (chorus/ensembles/fitted/verifier.py), fitted on
 cached train answers (the GSM8K cache of `chorus eval gsm8k`, made whole by `chorus eval gsm8k-continue`, scored
 by `chorus eval gsm8k-score`), and the readers of that cache `chorus bench answers` shares.
 
@@ -25,9 +25,9 @@ import numpy as np
 from chorus import stats
 from chorus.clients.eval_gsm8k import cache_path, read
 from chorus.clients.eval_gsm8k_continue import continued_path, key, scored_path, whole
-from chorus.ensembles.confidence import Tokens
-from chorus.ensembles.verifier_model import Verifier, feature_names, sample_features
-from chorus.ensembles.voting import Sample, mean_logprob, tally
+from chorus.ensembles.answers.confidence import Tokens
+from chorus.ensembles.answers.votes import Sample, mean_logprob, tally
+from chorus.ensembles.fitted.verifier import Verifier, feature_names, sample_features
 from chorus.training.cascade import same
 
 C_GRID = (0.01, 0.1, 1.0, 10.0)  #: the logistic regression's inverse regularisation, chosen by cross-validation
@@ -140,7 +140,7 @@ def request_samples(it: CachedItem, models: Sequence[str], k: int, greedy: bool)
 
 
 def main(args: argparse.Namespace) -> int:
-    from chorus.ensembles.selector_model import selectors_dir
+    from chorus.ensembles.fitted.artifact import selectors_dir
 
     root = Path(args.cache)
     items = cached_items(root, args.split, args.model, args.budget, args.k)

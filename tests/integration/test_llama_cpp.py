@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from chorus.config import ChorusConfig
-from chorus.engines.core.base import REQUEST_SCOPE, Choice, DrivenSession, GenerationRequest, SamplingParams
+from chorus.engines.core.base import Choice, DrivenSession, GenerationRequest, SamplingParams
 from chorus.engines.core.generation import collect, decode_loop
 from chorus.engines.core.picks import TokenPicker
+from chorus.engines.core.request_scope import REQUEST_SCOPE
 from chorus.engines.core.sampling import make_generator
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.llama_cpp.engine import LlamaCppEngine
@@ -508,7 +509,7 @@ def test_scoring_an_answer_again_reads_the_draws_own_numbers(client: openai.Open
 
     from chorus.bench.gsm8k_score import score_one
     from chorus.engines.llama_cpp.engine import gguf_of, tokenizer_for
-    from chorus.ensembles.confidence import token_confidence
+    from chorus.ensembles.answers.confidence import token_confidence
 
     r = client.chat.completions.create(model=LLAMA, messages=Q, max_tokens=24, temperature=0, logprobs=True,
                                        top_logprobs=20)

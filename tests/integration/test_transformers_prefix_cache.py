@@ -78,7 +78,7 @@ async def test_a_hit_gives_a_cold_prefills_logits_and_outputs(smol_engine: Trans
 
 
 async def test_a_salt_or_a_small_budget_computes_everything(smol_engine: TransformersEngine) -> None:
-    from chorus.engines.core.base import CACHE_SALT
+    from chorus.engines.core.request_scope import CACHE_SALT
 
     await smol_engine.drop_prefix_cache()
     ids = chat(smol_engine, QUESTIONS[2])

@@ -11,8 +11,8 @@ import pytest
 from openai import OpenAI
 
 from chorus.engines.fake.engine import FakeEngine
-from chorus.ensembles.answer_types import AnswerCanon, clean_reply, detect_kind
-from chorus.ensembles.answers import extract_answer, normalise_text
+from chorus.ensembles.answers.extract import extract_answer, normalise_text
+from chorus.ensembles.answers.kinds import AnswerCanon, clean_reply, detect_kind
 from tests.helpers import require, serve_fakes
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -16,8 +16,8 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
-from chorus.ensembles.answers import extract_answer
-from chorus.ensembles.voting import Sample, agreement, best_sample, beta_confidence, settled, tally
+from chorus.ensembles.answers.extract import extract_answer
+from chorus.ensembles.answers.votes import Sample, agreement, best_sample, beta_confidence, settled, tally
 from chorus.training.cascade import fit_thresholds, member_stats, write_artifact
 from tests.helpers import LiveServer, gateway
 

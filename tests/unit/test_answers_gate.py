@@ -9,8 +9,8 @@ import pytest
 
 from chorus.bench.answers import Batch, Item
 from chorus.bench.answers_gate import Gate, choose, committed, gated_row, preregister
-from chorus.ensembles.confidence import Tokens
-from chorus.ensembles.voting import Sample
+from chorus.ensembles.answers.confidence import Tokens
+from chorus.ensembles.answers.votes import Sample
 
 
 def sample(answer: str, lp: float, tokens: int = 10) -> Sample:

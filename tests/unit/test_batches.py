@@ -25,7 +25,7 @@ import yaml
 
 from chorus.clients.local import free_port, wait_ready
 from chorus.config import ChorusConfig
-from chorus.engines.core.base import queue_in
+from chorus.engines.core.request_scope import queue_in
 from chorus.engines.fake.engine import FakeEngine
 from chorus.server.gateway.auth import hash_key
 from tests.helpers import LiveServer, gateway, require, wait_until

@@ -16,10 +16,10 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
-from chorus.ensembles.confidence import Tokens, as_weight, kept, measure, token_confidence, windows
-from chorus.ensembles.confident import Rule, decide
-from chorus.ensembles.verifier_model import Verifier, feature_names, sample_features
-from chorus.ensembles.voting import Sample
+from chorus.ensembles.answers.confidence import Tokens, as_weight, kept, measure, token_confidence, windows
+from chorus.ensembles.answers.decide import Rule, decide
+from chorus.ensembles.answers.votes import Sample
+from chorus.ensembles.fitted.verifier import Verifier, feature_names, sample_features
 from chorus.training.verifier import cached_items, fit_verifier
 from tests.helpers import LiveServer, gateway
 
@@ -218,7 +218,7 @@ def test_served_answer_vote_reads_its_samples_confidence(client: openai.OpenAI, 
 def test_served_verifier_picks_and_weighs(client: openai.OpenAI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
-    from chorus.ensembles.selector_model import selectors_dir
+    from chorus.ensembles.fitted.artifact import selectors_dir
 
     groups, right = toy_groups(30)
     models = [["sharp", "doubt", "doubt", "doubt"] for _ in groups]  # the right, confident sample is sharp's

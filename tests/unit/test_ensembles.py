@@ -288,7 +288,7 @@ def test_moa_past_its_deadline_answers_with_a_proposal_instead_of_the_judge(clie
 
 
 def test_moa_aggregator_sees_the_proposals() -> None:
-    from chorus.ensembles.mixture_of_agents import with_references
+    from chorus.ensembles.strategies.mixture_of_agents import with_references
 
     msgs = with_references([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}], ["x", "y"])
     assert msgs[0]["role"] == "system" and msgs[0]["content"].startswith("Be brief.")

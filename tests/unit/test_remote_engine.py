@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.core.base import BACKGROUND, Constraint, GenerationRequest, SamplingParams
+from chorus.engines.core.base import Constraint, GenerationRequest, SamplingParams
+from chorus.engines.core.request_scope import BACKGROUND
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.fake.engine import CharTokenizer, FakeEngine
 from chorus.engines.remote.engine import RemoteEngine

@@ -9,7 +9,7 @@ import pytest
 from chorus.engines.core.base import ServerLoad
 from chorus.engines.remote.options import AffinityOptions
 from chorus.engines.remote.replicas import Replica, ReplicaPool, reported_load
-from chorus.engines.remote.routing import ROUTING, Ask
+from chorus.engines.remote.routing import REPLICA_POLICIES, Ask
 
 URLS = [f"http://w{i}:8000/v1" for i in range(4)]
 
@@ -32,7 +32,7 @@ def send(p: ReplicaPool, ask: Ask) -> Replica:
 
 
 def test_the_registry_names_every_policy() -> None:
-    assert set(ROUTING) == {"least_outstanding", "prefix", "session"}
+    assert set(REPLICA_POLICIES) == {"least_outstanding", "prefix", "session"}
     with pytest.raises(KeyError):
         pool("nosuch")
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from chorus.engines.fake.engine import FakeEngine
-from chorus.ensembles.selector_model import NORMS, Selector, feature_names
+from chorus.ensembles.fitted.selector import NORMS, Selector, feature_names
 from chorus.errors import ConfigError
 from chorus.training.selector import fit_selector
 from tests.helpers import LiveServer, serve_fakes
@@ -218,7 +218,7 @@ def test_a_config_naming_a_selector_for_other_members_is_a_config_error(gateway_
 def test_a_router_finds_which_member_is_right_on_which_cluster_of_prompts(tmp_path: Path) -> None:
     """Member A is right on one cluster of prompts, B on another: the k-NN router must send each cluster to its
     member; with A cheaper and a wide margin it sends everything to A."""
-    from chorus.ensembles.routers.learned_model import LearnedRouter
+    from chorus.ensembles.fitted.learned_router import LearnedRouter
     from chorus.training.selector import fit_router
 
     rng = np.random.default_rng(0)
@@ -294,7 +294,7 @@ def test_generative_routing_learns_which_prompts_need_the_big_member(
     about half of its calls, and the served route ensemble (completions) picks what the offline router picks."""
     from chorus.bench.selector import run
     from chorus.cli.selector import train_selector
-    from chorus.ensembles.routers.learned_model import LearnedRouter
+    from chorus.ensembles.fitted.learned_router import LearnedRouter
 
     monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
     data = tmp_path / "gen.jsonl"

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from rouge_score import rouge_scorer
 
-from chorus.ensembles.answers import compile_pattern, extract_answer
-from chorus.ensembles.crowd_vote import vote
-from chorus.ensembles.exchange_of_thought import agreed, confidence, majority, visibility
+from chorus.ensembles.answers.extract import compile_pattern, extract_answer
 from chorus.ensembles.similarity import char_rouge_l, crowd_scores, word_rouge_l
+from chorus.ensembles.strategies.crowd_vote import vote
+from chorus.ensembles.strategies.exchange_of_thought import agreed, confidence, majority, visibility
 
 
 def texts(seed: int, n: int = 12) -> list[str]:

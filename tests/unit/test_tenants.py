@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.core.base import CACHE_SALT, CACHE_SCOPE, prefix_salt
+from chorus.engines.core.request_scope import CACHE_SALT, CACHE_SCOPE, prefix_salt
 from chorus.server.gateway.auth import KeyStore, hash_key
 from chorus.server.gateway.tenancy import cache_scope, scope_secret
 from tests.helpers import LiveServer, gateway

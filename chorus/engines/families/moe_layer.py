@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from chorus.engines.families.moe import is_moe_block
-from chorus.engines.families.moe_routing import ROUTERS, LayoutRule, Router, Routing
+from chorus.engines.families.moe_routing import GATES, LayoutRule, Router, Routing
 from chorus.errors import BuildError
 
 
@@ -35,13 +35,13 @@ class MoELayer(nn.Module):
 
     @classmethod
     def wrap(cls, block: Any, config: Any, kind: str, **settings: Any) -> MoELayer:
-        if kind not in ROUTERS:
-            raise BuildError(f"unknown router {kind!r} (expected one of {', '.join(ROUTERS)})")
+        if kind not in GATES:
+            raise BuildError(f"unknown router {kind!r} (expected one of {', '.join(GATES)})")
         rule = LayoutRule.of(config)
         gate = block.gate
         if kind == "deepseek":
             settings = {**settings, "bias": getattr(gate, "e_score_correction_bias", None)}
-        router = ROUTERS[kind](gate.weight, rule, **settings)
+        router = GATES[kind](gate.weight, rule, **settings)
         return cls(block, router)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

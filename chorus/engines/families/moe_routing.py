@@ -281,7 +281,7 @@ class DeepSeekRouter(Router):
         self._pending.zero_()
 
 
-ROUTERS: dict[str, Callable[..., Router]] = {"switch": SwitchRouter, "gshard": GShardRouter, "deepseek": DeepSeekRouter}
+GATES: dict[str, Callable[..., Router]] = {"switch": SwitchRouter, "gshard": GShardRouter, "deepseek": DeepSeekRouter}
 #: the layout a dense base is upcycled into for each router
 DEFAULT_LAYOUT = {"switch": "mixtral", "gshard": "mixtral", "deepseek": "deepseek_v3"}
 

@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from chorus.engines.core.base import cancelled, gather_ready, queue_in
+from chorus.engines.core.base import cancelled, gather_ready
+from chorus.engines.core.request_scope import queue_in
 from chorus.engines.llama_cpp.native_batch import fill_batch, read_logits
 from chorus.engines.llama_cpp.prefix_cache import PrefixCache
 from chorus.engines.llama_cpp.session import MAX_EXTEND, Feed, LlamaSession, Sent, Work, finite, non_finite, pick_driven

@@ -10,15 +10,9 @@ from typing import Protocol
 
 import torch
 
-from chorus.engines.core.base import (
-    BACKGROUND,
-    check_can_roll_back,
-    check_extend,
-    check_rollback,
-    prefix_salt,
-    request_scope,
-)
+from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback
 from chorus.engines.core.picks import Pick, TokenPicker
+from chorus.engines.core.request_scope import BACKGROUND, prefix_salt, request_scope
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
 

@@ -36,7 +36,6 @@ from opentelemetry import propagate, trace
 
 from chorus.engines.core import hub
 from chorus.engines.core.base import (
-    BACKGROUND,
     LOGITS,
     STREAM,
     STRUCTURED,
@@ -49,8 +48,8 @@ from chorus.engines.core.base import (
     TokenLogprob,
     TopLogprob,
     cancelled,
-    prefix_salt,
 )
+from chorus.engines.core.request_scope import BACKGROUND, prefix_salt
 from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.core.vocab import Vocab, vocab_of

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chorus.engines.core.base import AFFINITY, prefix_salt
+from chorus.engines.core.request_scope import AFFINITY, prefix_salt
 from chorus.lazy import load
 
-ROUTING: dict[str, str] = {
+REPLICA_POLICIES: dict[str, str] = {
     "least_outstanding": "chorus.engines.remote.routing:LeastOutstanding",
     "prefix": "chorus.engines.remote.routing:PrefixAffinity",
     "session": "chorus.engines.remote.routing:SessionAffinity",
@@ -205,5 +205,5 @@ class PrefixAffinity(RingPolicy):
 
 def policy(name: str, urls: list[str], options: Any) -> Policy:
     """The policy ``name`` of the registry over ``urls``."""
-    found: type[Policy] = load(ROUTING[name])
+    found: type[Policy] = load(REPLICA_POLICIES[name])
     return found(urls, options)

@@ -1,4 +1,4 @@
-"""The wire format of chorus's session API (server/api/sessions.py): next-token distributions in JSON.
+"""The wire format of chorus's session API (server/api/extensions/sessions.py): next-token distributions in JSON.
 
 Full logits travel as base64 little-endian float32 (exact, ~4 bytes per vocabulary entry: 196 KB a
 step for a 49k vocabulary); top-k as ids with their logprobs. The worker encodes, the gateway's

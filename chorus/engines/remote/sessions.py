@@ -82,7 +82,7 @@ def sessions_url(replica: Replica) -> str:
 
 
 class WorkerSession:
-    """An exact token-level session on a chorus worker (``/chorus/v2/sessions``, server/api/sessions.py).
+    """An exact token-level session on a chorus worker (``/chorus/v2/sessions``, server/api/extensions/sessions.py).
 
     The prefill picks a replica (retrying others while they fail) and the session stays on it: its KV
     cache lives there, so a failure after the prefill ends the session (``EngineFailed``). A step, an

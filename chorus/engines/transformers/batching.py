@@ -27,16 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from chorus.engines.core.base import (
-    BACKGROUND,
-    cancelled,
-    check_can_roll_back,
-    check_extend,
-    check_rollback,
-    gather_ready,
-    prefix_salt,
-    queue_in,
-)
+from chorus.engines.core.base import cancelled, check_can_roll_back, check_extend, check_rollback, gather_ready
+from chorus.engines.core.request_scope import BACKGROUND, prefix_salt, queue_in
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob, resolve

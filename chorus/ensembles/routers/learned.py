@@ -1,4 +1,4 @@
-"""``router: learned``: a router trained by ``chorus bench selector`` (routers/learned_model.py) predicts from the
+"""``router: learned``: a router trained by ``chorus bench selector`` (fitted/learned_router.py) predicts from the
 prompt how likely each member is to be right and sends it to the cheapest member within ``margin`` of the best.
 It also answers ``/v1/choices`` with the one member it picks."""
 
@@ -10,9 +10,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.ensembles.call import Call, Member
+from chorus.ensembles.fitted.artifact import load_trained
+from chorus.ensembles.fitted.learned_router import LearnedRouter
 from chorus.ensembles.routers.base import Router
-from chorus.ensembles.routers.learned_model import ARTIFACT, LearnedRouter
-from chorus.ensembles.selector_model import load_trained
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import InvalidRequest
 
@@ -21,7 +21,7 @@ def load_router(name: str | None, members: list[str]) -> LearnedRouter:
     if not name:
         raise InvalidRequest("router: learned needs 'artifact' (a router trained by `chorus bench selector`).",
                              param="ensemble.artifact")
-    router: LearnedRouter = load_trained(name, ARTIFACT, LearnedRouter.load, members, "router")
+    router = load_trained(LearnedRouter, name, members, "router")
     return router
 
 

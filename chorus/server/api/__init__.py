@@ -1,2 +1,3 @@
-"""The API surfaces, one module or sub-package each (server/app.py lists their routers); each route runs
+"""The API surfaces, grouped by whose API they are: OpenAI's (openai/), Anthropic's (anthropic/) and chorus's own
+(extensions/); one module or sub-package per surface (server/app.py lists their routers). Each route runs
 resolve, plan, reply (server/resolve.py, plan.py, reply.py)."""

@@ -59,7 +59,7 @@ class Batches:
         self.options = options
         self.services = services
         #: what a batch may run and the request model each line's body must pass (given by the API layer,
-        #: server/api/batches.py's ENDPOINTS: the batch layer names no API module)
+        #: server/api/openai/batches.py's ENDPOINTS: the batch layer names no API module)
         self.endpoints = dict(endpoints)
         self.app: ASGIApp | None = None
         self._store: AnyStore | None = None

@@ -1,5 +1,5 @@
 """Who used what: token charges to the key (per model used) and the token metrics, once a request's usage is known;
-and the request kept for feedback (server/api/feedback.py) with its tokens, cost and an online router's decision."""
+and the request kept for feedback (server/api/extensions/feedback.py) with its tokens, cost and an online router's decision."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chorus.engines.core.base import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
+from chorus.engines.core.request_scope import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import (
     BodyTimeout,

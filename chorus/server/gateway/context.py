@@ -35,7 +35,7 @@ class Served:
     usage: dict[str, int] = field(default_factory=dict)  #: tokens used, once settled
     #: an ensemble's usage per member model (the key is charged per model it used), read when it is settled
     member_usage: Callable[[], dict[str, tuple[int, int]]] | None = None
-    #: what an online router decided for it (kept for feedback, api/feedback.py), read when it is settled
+    #: what an online router decided for it (kept for feedback, api/extensions/feedback.py), read when it is settled
     decision: Callable[[], dict[str, Any] | None] | None = None
 
 

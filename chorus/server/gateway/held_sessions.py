@@ -1,4 +1,4 @@
-"""Held token sessions (the token-session API's, api/sessions.py): open engine sessions by id, each owned by the
+"""Held token sessions (the token-session API's, api/extensions/sessions.py): open engine sessions by id, each owned by the
 key that opened it; a reaper frees the ones idle past ``server.sessions.idle_timeout_s``."""
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""What is served: ``GET /v1/models`` (and one model's card), ``/health`` (liveness and load) and ``/metrics``
-(Prometheus)."""
+"""What is served: ``GET /v1/models`` and one model's card (OpenAI's model object, with chorus's kind and
+capabilities)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from chorus.engines.core.base import EMBEDDINGS, TOOLS, ChoiceScorer
 from chorus.server.gateway.context import Context, Ctx
@@ -46,22 +44,6 @@ def model_card(ctx: Context, name: str) -> dict[str, Any]:
     if price is not None:  # the config's price table (per million tokens): budgets, and the playground's cost
         card["pricing"] = {"prompt": price.prompt, "completion": price.completion, "per_tokens": 1_000_000}
     return card
-
-
-@router.get("/health", response_model=None)
-async def health(ctx: Ctx) -> dict[str, Any] | JSONResponse:
-    services = ctx.services
-    body = {"status": "ok", "models": {n: e.stats() for n, e in services.engines.items()},
-            "ensembles": sorted(services.ensembles), "inflight": services.admission.inflight}
-    if services.admission.draining:  # load balancers stop sending; in-flight requests finish
-        return JSONResponse({**body, "status": "draining"}, status_code=503)
-    return body
-
-
-@router.get("/metrics")
-async def metrics() -> Response:
-    """Prometheus exposition: requests, tokens, engines, ensembles, router decisions, cascade steps."""
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

@@ -13,8 +13,8 @@ from fastapi.responses import Response
 
 from chorus.errors import InvalidRequest
 from chorus.server import plan
-from chorus.server.api.messages.render import MessageEvents, MessagesState
-from chorus.server.api.messages.wire import MessagesRequest
+from chorus.server.api.anthropic.render import MessageEvents, MessagesState
+from chorus.server.api.anthropic.wire import MessagesRequest
 from chorus.server.api.openai import routes
 from chorus.server.gateway.context import Ctx
 from chorus.server.reply import json_response

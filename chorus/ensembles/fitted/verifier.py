@@ -8,33 +8,32 @@ Features of a sample, among the samples of one request (`feature_names`):
 - ``finished``: 1 when it ended on its own, 0 when cut at ``max_tokens``;
 - ``log_tokens``: log(1 + its tokens);
 - ``greedy``: 1 for a member's greedy answer (``greedy: true``), 0 for a sample;
-- with ``confidence``: each measure of `confidence.MEASURES` (``mean_logprob`` floored at -10), and each minus
+- with ``confidence``: each measure of `answers.confidence.MEASURES` (``mean_logprob`` floored at -10), and each minus
   the request's mean of it (``rel_*``: how sure this sample is against the others on the same question);
 - with several members: one-hot of the model that drew it (``member:MODEL``).
 
 The learner is a logistic regression over (request, sample) rows (is this sample's answer right?). The artifact
 is JSON only (members, features, coefficients and scaler, window and tail of the measures, the training data's
-hash and cross-validated figures, library versions): nothing is unpickled when a server loads it.
+hash and cross-validated figures, library versions): nothing is unpickled when a server loads it
+(`artifact.Artifact`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from scipy.special import expit
 
-from chorus.ensembles.confidence import MEASURES, measure
-from chorus.ensembles.selector_model import load_artifact, write_artifact
-from chorus.ensembles.voting import Sample
+from chorus.ensembles.answers.confidence import MEASURES, measure
+from chorus.ensembles.answers.votes import Sample
+from chorus.ensembles.fitted.artifact import Artifact, Logistic
 from chorus.errors import ConfigError
 
-ARTIFACT = "verifier.json"
-FORMAT = 1
 BASE = ("agreement", "finished", "log_tokens", "greedy")
 FLOOR = -10.0  #: mean_logprob of a sample with no tokens, and the floor of any
 
@@ -70,16 +69,12 @@ def sample_features(samples: Sequence[Sample], models: Sequence[str], members: S
 
 
 @dataclass
-class Verifier:
+class Verifier(Logistic, Artifact):
     """The artifact: what to compute from the samples, and the probability of each being right."""
 
-    members: list[str]
-    features: list[str]
-    coef: list[float]
-    intercept: float
-    mean: list[float]
-    scale: list[float]
-    C: float
+    FILE = "verifier.json"
+    KIND = "verifier"
+
     confidence: bool
     window: int = 64
     tail: int = 64
@@ -87,24 +82,16 @@ class Verifier:
     versions: dict[str, str] = field(default_factory=dict)
     kind: str = "verifier"
     learner: str = "logistic_regression"
-    format: int = FORMAT
+    format: int = 1
 
     def scores(self, samples: Sequence[Sample], models: Sequence[str]) -> list[float]:
         """Each sample's probability of being right."""
         if not samples:
             return []
         x = sample_features(samples, models, self.members, self.confidence, self.window, self.tail)
-        z = (x - np.array(self.mean)) / np.array(self.scale)
-        logits = z @ np.array(self.coef) + self.intercept
-        return [float(v) for v in expit(logits)]
+        return [float(p) for p in expit(self.decision(x))]
 
-    def save(self, out: Path) -> Path:
-        return write_artifact(out / ARTIFACT, asdict(self))
-
-    @classmethod
-    def load(cls, where: str | Path) -> Verifier:
-        path, v = load_artifact(cls, where, ARTIFACT, "verifier", FORMAT)
-        expected = feature_names(v.members, v.confidence)
-        if v.features != expected or not (len(v.coef) == len(v.mean) == len(v.scale) == len(expected)):
+    def check(self, path: Path) -> None:
+        expected = feature_names(self.members, self.confidence)
+        if self.features != expected or not self.shaped():
             raise ConfigError(f"{path}: its features are not this chorus's ({', '.join(expected)}); retrain it")
-        return v

@@ -24,11 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import Choice, Delta
 from chorus.ensembles import spans
-from chorus.ensembles.answer_vote import Drawer, DrawParams
+from chorus.ensembles.answers.votes import Sample, Unfinished, agreement, ranked_samples, tally
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
+from chorus.ensembles.drawing import Drawer, DrawParams
 from chorus.ensembles.metrics import CASCADE_STEPS
-from chorus.ensembles.voting import Sample, Unfinished, agreement, ranked_samples, tally
 from chorus.errors import InvalidRequest
 
 

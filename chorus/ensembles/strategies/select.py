@@ -21,8 +21,9 @@ from chorus.engines.core.base import Delta
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, gather, with_own_sampling
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion
+from chorus.ensembles.fitted.artifact import load_trained
+from chorus.ensembles.fitted.selector import NORMS, Selector
 from chorus.ensembles.metrics import SELECTOR_CHOICES
-from chorus.ensembles.selector_model import ARTIFACT, NORMS, Selector, load_trained
 from chorus.errors import InvalidRequest
 
 
@@ -33,7 +34,7 @@ class SelectParams(BaseModel):
 
 
 def load_selector(name: str, members: list[str]) -> Selector:
-    selector: Selector = load_trained(name, ARTIFACT, Selector.load, members, "selector")
+    selector = load_trained(Selector, name, members, "selector")
     return selector
 
 

@@ -16,8 +16,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from chorus.server.api.openai import routes
-from chorus.server.api.responses.render import ResponseEvents, ResponseState
-from chorus.server.api.responses.wire import ResponsesRequest
+from chorus.server.api.openai.responses.render import ResponseEvents, ResponseState
+from chorus.server.api.openai.responses.wire import ResponsesRequest
 from chorus.server.gateway.context import Ctx
 from chorus.server.gateway.stored_responses import ResponseStore, Stored
 from chorus.server.reply import json_response

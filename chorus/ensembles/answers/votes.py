@@ -1,7 +1,7 @@
 """Voting on the members' *answers*: the pure parts every answer-side strategy shares (served strategies and the
 offline evidence replay call the same functions, so a table and a served request decide alike).
 
-- `Sample`: one sampled reply: its member, text, extracted answer (by the answer types of `answer_types`), the
+- `Sample`: one sampled reply: its member, text, extracted answer (by the answer kinds of `kinds`), the
   canonical answer it counts for, its mean token log-probability and tokens.
 - `tally`: the histogram of canonical answers. The winner has the most weight (each sample counts its member's
   weight; equal weights by default, so: the most samples); a tie goes to the answer whose samples have the
@@ -35,7 +35,7 @@ from typing import Literal
 
 from scipy import stats
 
-from chorus.ensembles.confidence import Tokens
+from chorus.ensembles.answers.confidence import Tokens
 
 StopRule = Literal["none", "majority", "beta", "agree"]
 STOP_RULES: tuple[str, ...] = ("none", "majority", "beta", "agree")

@@ -6,23 +6,20 @@ cheaper). Fitting is chorus/training/selector.py (``fit_router``).
 The prediction is a k-nearest-neighbour vote over the labelled training prompts (all-MiniLM-L6-v2 embeddings,
 cosine): each member's correctness on the k most similar prompts, weighted by similarity, shrunk toward its
 overall accuracy (one pseudo-item). Costs are the members' seconds per item on the training data, so
-"cheapest" is what was measured. The artifact is JSON (the embeddings as base64 float32).
+"cheapest" is what was measured. The artifact is JSON (`artifact.Artifact`; the embeddings as base64 float32).
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from chorus.ensembles.selector_model import read_artifact, write_artifact
+from chorus.ensembles.fitted.artifact import Artifact
 from chorus.errors import ConfigError
-
-ARTIFACT = "router.json"
-FORMAT = 1
 
 
 def pack(x: np.ndarray) -> str:
@@ -34,7 +31,12 @@ def unpack(s: str, dim: int) -> np.ndarray:
 
 
 @dataclass
-class LearnedRouter:
+class LearnedRouter(Artifact):
+    """The artifact: the labelled training prompts' embeddings, each member's correctness on them and its cost."""
+
+    FILE = "router.json"
+    KIND = "route"
+
     members: list[str]
     costs: list[float]  #: seconds per item on the training data, one per member
     k: int
@@ -46,7 +48,7 @@ class LearnedRouter:
     training: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     kind: str = "route"
-    format: int = FORMAT
+    format: int = 1
 
     def __post_init__(self) -> None:
         self._emb = unpack(self.embeddings, self.dim)
@@ -69,16 +71,6 @@ class LearnedRouter:
         ok = [i for i in range(len(self.members)) if pred[i] >= pred.max() - m]
         return min(ok, key=lambda i: (self.costs[i], -pred[i]))
 
-    def save(self, out: Path) -> Path:
-        return write_artifact(out / ARTIFACT, {k: v for k, v in asdict(self).items() if not k.startswith("_")})
-
-    @classmethod
-    def load(cls, where: str | Path) -> LearnedRouter:
-        path, raw = read_artifact(where, ARTIFACT, "route", FORMAT)
-        try:
-            router = cls(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        if len(router.costs) != len(router.members) or router._right.shape[1:] != (len(router.members),):
+    def check(self, path: Path) -> None:
+        if len(self.costs) != len(self.members) or self._right.shape[1:] != (len(self.members),):
             raise ConfigError(f"{path}: costs and correctness must have one column per member")
-        return router

@@ -24,7 +24,7 @@ from chorus.errors import InvalidRequest
 from chorus.server import plan
 from chorus.server.gateway.accounting import settle
 from chorus.server.gateway.context import Ctx
-from chorus.server.resolve import resolve
+from chorus.server.resolve import EnsembleTarget, resolve
 from chorus.server.wire import render
 from chorus.server.wire import request as wire
 
@@ -73,13 +73,15 @@ async def choices(req: ChoicesRequest, ctx: Ctx) -> dict[str, Any]:
                              f"{len(req.choices)}).", param="choices")
     question = req.question()
     target = resolve(ctx, req, use="score")
-    answer, prompt_tokens = await plan.choices(ctx, target, question, req.combine, req.trace)
+    # the body's ``trace``, or the ensemble's own (``ensemble.trace``, or a named ensemble's), as on the chat route
+    trace = req.trace or (isinstance(target, EnsembleTarget) and target.ensemble.spec.trace)
+    answer, prompt_tokens = await plan.choices(ctx, target, question, req.combine, trace)
     usage = render.usage(prompt_tokens, 0)
     settle(ctx, req.model, usage)
-    return reply(req, answer, usage)
+    return reply(req, answer, usage, trace)
 
 
-def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> dict[str, Any]:
+def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int], trace: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": render.new_id("choice"), "object": "choice.scores", "created": int(time.time()), "model": req.model,
         "choices": [{"index": i, "text": text,
@@ -96,6 +98,6 @@ def reply(req: ChoicesRequest, answer: ChoiceAnswer, usage: dict[str, int]) -> d
         for i, c in enumerate(out["choices"]):
             c["token_logprobs"] = answer.per_token[i]
             c["unconditional_logprob"] = None if answer.unconditional is None else answer.unconditional[i]
-    if req.trace:
+    if trace:
         out["ensemble"] = answer.trace
     return out

@@ -1,5 +1,5 @@
 """Anthropic's Messages API as chat: the request converted to a chat completion request (one way), the chat reply
-converted to a message, or the chat chunks to Anthropic's named events (the other way). server/api/messages/routes.py serves
+converted to a message, or the chat chunks to Anthropic's named events (the other way). server/api/anthropic/routes.py serves
 it through the chat route, as the Responses API is served.
 
 What maps: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use`` and ``tool_result`` blocks,

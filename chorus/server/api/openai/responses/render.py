@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from chorus.errors import GatewayError
-from chorus.server.api.responses.wire import ResponsesRequest
+from chorus.server.api.openai.responses.wire import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:

@@ -11,8 +11,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.errors import InvalidRequest, NotFound
-from chorus.server.api.embeddings import EmbeddingsRequest
-from chorus.server.api.responses.wire import ResponsesRequest
+from chorus.server.api.openai.embeddings import EmbeddingsRequest
+from chorus.server.api.openai.responses.wire import ResponsesRequest
 from chorus.server.batch.render import batch_object
 from chorus.server.batch.runner import batches_of
 from chorus.server.gateway.context import Context, Ctx

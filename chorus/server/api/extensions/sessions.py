@@ -37,7 +37,8 @@ import torch
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from chorus.engines.core.base import CACHE_SALT, INT_MAX
+from chorus.engines.core.base import INT_MAX
+from chorus.engines.core.request_scope import CACHE_SALT
 from chorus.engines.remote.session_wire import next_token
 from chorus.errors import InvalidRequest, RateLimited, SessionBusy
 from chorus.server.gateway.accounting import settle

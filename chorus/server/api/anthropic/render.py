@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from chorus.errors import GatewayError
-from chorus.server.api.messages.wire import MessagesRequest
+from chorus.server.api.anthropic.wire import MessagesRequest
 from chorus.server.gateway.errors import error_type
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}

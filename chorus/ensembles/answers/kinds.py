@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from chorus.ensembles.answers import normalise_text
+from chorus.ensembles.answers.extract import normalise_text
 from chorus.ensembles.similarity import Embedder
 
 OPTION = re.compile(r"\([A-E]\)|(?m:^\s*[A-E][.):]\s)")

@@ -10,7 +10,7 @@ A `Rule` names a confidence measure (``by``, `confidence.MEASURES`) and what to 
   (``most_confident``, self-certainty selection: Kang et al. 2025), or the sample the verifier rates highest
   (``verifier``). A pick prefers a finished sample to one cut at ``max_tokens`` under ``unfinished: abstain``.
 
-Ties of the vote go as `voting.tally` breaks them (mean log-probability, then first seen).
+Ties of the vote go as `votes.tally` breaks them (mean log-probability, then first seen).
 """
 
 from __future__ import annotations
@@ -18,10 +18,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from chorus.ensembles.confidence import as_weight, kept, measure
-from chorus.ensembles.verifier_model import Verifier
-from chorus.ensembles.voting import Sample, Tally, Unfinished, ranked_samples, tally
+from chorus.ensembles.answers.confidence import as_weight, kept, measure
+from chorus.ensembles.answers.votes import Sample, Tally, Unfinished, ranked_samples, tally
+
+
+class Verifier(Protocol):
+    """What the rule reads of a verifier (fitted.verifier.Verifier): each sample's probability of being right."""
+
+    def scores(self, samples: Sequence[Sample], models: Sequence[str]) -> list[float]: ...
+
 
 PICKS: tuple[str, ...] = ("vote", "most_confident", "verifier")
 WEIGHS: tuple[str, ...] = ("none", "confidence", "verifier")

@@ -12,8 +12,8 @@ concurrently; each call's length is the request's ``max_tokens`` (else ``call_ma
 
 ``answer`` says what kind of answer is compared: ``number``, ``choice`` (a letter), ``yes_no``, ``text``
 (a short free-text answer: two agree when their normalised texts are equal or their embeddings' cosine is
-at least ``text_threshold``; answer_types.py), or ``auto``, which picks one of those from the question with
-the rules of `answer_types.detect_kind` (named in the trace).
+at least ``text_threshold``; answers/kinds.py), or ``auto``, which picks one of those from the question with
+the rules of `kinds.detect_kind` (named in the trace).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.engines.core.base import Delta
 from chorus.ensembles import spans
-from chorus.ensembles.answer_types import AnswerCanon, clean_reply, detect_kind
-from chorus.ensembles.answers import compile_pattern, extract_answer
+from chorus.ensembles.answers.extract import compile_pattern, extract_answer
+from chorus.ensembles.answers.kinds import AnswerCanon, clean_reply, detect_kind
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.errors import InvalidRequest
@@ -111,7 +111,7 @@ class ExchangeOfThought(Strategy):
         return extract_answer(text, kind, self.pattern)
 
     def reply_text(self, text: str, question: str, kind: str) -> str:
-        """A yes/no or text reply without the prompt a small model copied into it (answer_types.clean_reply);
+        """A yes/no or text reply without the prompt a small model copied into it (answers.kinds.clean_reply);
         number and choice replies as they are (the reference behaviour)."""
         return clean_reply(text, [question, self.instruction(kind)]) if kind in ("yes_no", "text") else text
 

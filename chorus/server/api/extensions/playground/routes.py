@@ -1,5 +1,5 @@
 """``/playground``: a page that compares models and ensembles side by side and draws how an ensemble
-answered from its trace. Plain static files inside the package (``chorus/server/api/playground/``: HTML, CSS,
+answered from its trace. Plain static files inside the package (``chorus/server/api/extensions/playground/``: HTML, CSS,
 one ES module; no build step, no CDN, no network beyond this server), calling chorus's own API from the
 browser with the key the user types. Off with ``server.playground: false``.
 
@@ -25,7 +25,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 
 
 def asset(name: str) -> bytes:
-    return resources.files("chorus.server.api.playground").joinpath(name).read_bytes()
+    return resources.files("chorus.server.api.extensions.playground").joinpath(name).read_bytes()
 
 
 @router.get("/playground", include_in_schema=False)

@@ -2,7 +2,7 @@
 
 Each member draws ``samples`` replies (with `answer_vote`'s sampling: ``answer``, ``batch``, ``temperature``,
 ``stop``); a member's confidence is its agreement: the share of its samples that give its own majority answer
-(`voting.agreement`; a sample without an answer counts against it). The member with the highest agreement
+(`votes.agreement`; a sample without an answer counts against it). The member with the highest agreement
 answers with its majority answer (the whole text of that answer's most likely sample). Ties go to the member with
 the higher ``accuracy`` (a prior per member, e.g. its accuracy on a validation split: `chorus bench answers`
 prints it from the train split), then to the earlier member. Members do not vote together: a weak member's
@@ -18,10 +18,10 @@ from typing import Any
 from pydantic import Field
 
 from chorus.engines.core.base import Delta
-from chorus.ensembles.answer_vote import Drawer, DrawParams, check_stop, choices
+from chorus.ensembles.answers.votes import agreement, ranked_samples, settled, tally
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather
-from chorus.ensembles.voting import agreement, ranked_samples, settled, tally
+from chorus.ensembles.drawing import Drawer, DrawParams, check_stop, choices
 from chorus.errors import InvalidRequest
 
 

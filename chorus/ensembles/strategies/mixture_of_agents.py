@@ -9,7 +9,7 @@ What the fusion products add (docs/ensembles.md):
 - ``quorum`` k: a layer goes on once k proposers have replied; the rest get ``grace_s`` more seconds and
   are then cancelled (quorum.py). The trace lists who was waited for and who was late.
 - ``skip_judge``: when every proposal of the last layer gives the same answer (compared as
-  Exchange-of-Thought compares answers: ``answer`` kind, ``text_threshold``; answer_types.py), the first
+  Exchange-of-Thought compares answers: ``answer`` kind, ``text_threshold``; answers/kinds.py), the first
   of them is the reply and the aggregator is not called.
 - ``rationale``: the judge first writes an assessment of the proposals (consensus, contradictions, what is
   best supported); it goes into the trace and into the judge's prompt for the final answer.
@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import Delta, Generation
 from chorus.ensembles import spans
-from chorus.ensembles.answer_types import AnswerCanon, detect_kind
-from chorus.ensembles.answers import extract_answer
+from chorus.ensembles.answers.extract import extract_answer
+from chorus.ensembles.answers.kinds import AnswerCanon, detect_kind
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, resolve_members
 from chorus.ensembles.quorum import first_k
