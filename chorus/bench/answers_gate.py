@@ -170,6 +170,55 @@ def preregister(path: Path, train: dict[int, Item], m: str, k: int, gates: list[
     print(f"\nPre-registration written to {path}: commit it, then run with --preregistered {path}")
 
 
+def figure(path: Path, m: str, k: int, gates: list[Gate], panels: list[tuple[str, dict[int, Item]]],
+           headline: set[str]) -> None:
+    """Accuracy against the greedy's tokens, one panel per split: every row (the gated ones coloured by measure),
+    the Pareto front, the majority rows and the headline marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
+    colours = dict(zip(MEASURES, ("C0", "C1", "C2", "C3", "C4"), strict=False))
+    for ax, (title, items) in zip(axes[0], panels):
+        base = float(np.mean([o.tokens for o in score(items, greedy(m))]))
+        points: list[tuple[str, Gate | None, float, float]] = [
+            ("greedy", None, 1.0, 100 * float(np.mean([o.right for o in score(items, greedy(m))])))]
+        for g in gates:
+            out = score(items, gated_row(m, k, g))
+            points.append((g.label(), g, float(np.mean([o.tokens for o in out])) / base,
+                           100 * float(np.mean([o.right for o in out]))))
+        for by in MEASURES:
+            xs = [(x, y, p.stop) for _, p, x, y in points if p is not None and p.threshold is not None and p.by == by]
+            for stop, marker in (("none", "o"), ("agree", "^")):
+                sel = [(x, y) for x, y, s in xs if s == stop]
+                if sel:
+                    ax.scatter(*zip(*sel), s=18, marker=marker, color=colours[by], alpha=0.7,
+                               label=f"gate {by}, stop {stop}")
+        front = sorted((x, y) for _, _, x, y in points if not any(x2 <= x and y2 > y for _, _, x2, y2 in points))
+        ax.step(*zip(*front), where="post", color="black", linewidth=0.8, label="Pareto front")
+        for label, p, x, y in points:
+            if p is None or p.threshold is None:
+                ax.scatter([x], [y], s=60, marker="s", color="black")
+                ax.annotate("greedy" if p is None else f"majority, stop {p.stop}", (x, y), fontsize=7,
+                            xytext=(4, -10), textcoords="offset points")
+            if label in headline:
+                ax.scatter([x], [y], s=220, marker="*", color="gold", edgecolor="black", zorder=5,
+                           label="pre-registered headline")
+        ax.axvline(2.5, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_title(f"{title} (n={len(items)})", fontsize=10)
+        ax.set_xlabel("generated tokens, x the greedy's")
+        ax.set_ylabel("accuracy, %")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=6, loc="lower right")
+    fig.suptitle(f"GSM8K, {m}: the gate over greedy + up to {k} samples", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nFigure written to {path}")
+
+
 def main(args: argparse.Namespace) -> int:
     cache, m, k = Path(args.cache), args.model, args.k
     train = {i: it for i, it in complete(load(cache, "train", [m]), {m: k}).items()
@@ -193,6 +242,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nTest (n={len(test)}; pre-registered in {pre} at {sha}: the headline rows are marked, every other "
               "row is exploratory):\n")
         print("\n".join(table(test, m, k, gates, headline)))
+    if args.figure:
+        panels = [("train", train)] + ([("test, pre-registered", test)] if args.preregistered else [])
+        figure(Path(args.figure), m, k, gates, panels, headline if args.preregistered else set())
     return 0
 
 
@@ -202,5 +254,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="samples per item at most")
     p.add_argument("--preregistered", help="a committed pre-registration (JSON with 'headline': row labels): only "
                    "then is the test split read")
+    p.add_argument("--figure", metavar="PNG", help="accuracy against tokens, train (and test with --preregistered)")
     p.add_argument("--write-preregistration", metavar="FILE", help="write the pre-registration from train (at least "
                    f"{MIN_TRAIN} items): the row `choose` picks, its served fields and the headline")

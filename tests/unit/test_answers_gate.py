@@ -77,3 +77,14 @@ def test_the_preregistered_choice_is_the_cheapest_gated_row_near_the_majority(tm
     assert '"gate": -0.1' in pre.read_text() and gates[3].label() in pre.read_text()
     with pytest.raises(SystemExit, match="at least 100"):
         preregister(pre, dict(list(train.items())[:99]), "m", 4, gates)
+
+
+def test_the_figure_draws_each_split_and_marks_the_headline(tmp_path: Path) -> None:
+    from chorus.bench.answers_gate import figure
+
+    train = dict(enumerate([item(sample("42", -0.01), ["42", "42", "41", "42"]),
+                            item(sample("41", -0.5), ["42", "42", "42", "41"])]))
+    gates = [Gate("mean_logprob", None, "none", 4), Gate("mean_logprob", -0.1, "agree", 1)]
+    out = tmp_path / "gate.png"
+    figure(out, "m", 4, gates, [("train", train), ("test", train)], {gates[1].label()})
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
