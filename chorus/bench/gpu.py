@@ -29,6 +29,7 @@ import torch
 from chorus.clients.local import markdown_table
 from chorus.engines.core.base import GenerationRequest, SamplingParams, Session
 from chorus.engines.core.generation import SessionEngine
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.transformers.batching import BatchRunner
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -74,8 +75,8 @@ class RandomModelEngine(SessionEngine):
         self.name, self.runner, self.tokenizer = name, runner, IdTokenizer(vocab)  # type: ignore[assignment]
         self.max_model_len, self.sampling_defaults = runner.max_model_len, {}
 
-    def open_session(self) -> Session:
-        return self.runner.open_many(1)[0]
+    def open_session(self, scope: RequestScope | None = None) -> Session:
+        return self.runner.open_many(1, scope=scope)[0]
 
     @property
     def active_sessions(self) -> int:

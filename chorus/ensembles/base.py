@@ -32,6 +32,7 @@ from chorus.engines.core.base import (
     TokenLogprob,
 )
 from chorus.engines.core.generation import collect
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.ensembles.call import Call, Member, Prompt, gather, resolve_members
 from chorus.ensembles.choice_scores import ChoiceAnswer, ChoiceQuestion, average
 from chorus.ensembles.metrics import ENSEMBLE_REQUESTS
@@ -155,7 +156,7 @@ class Strategy:
 
         async def one(m: Member) -> ChoiceAnswer:
             msgs = m.persona(question.messages) if question.messages is not None else None
-            answer, tokens = await question.answer(m.engine, msgs)
+            answer, tokens = await question.answer(m.engine, msgs, call.scope)
             call.record(m, tokens, 0)
             return answer
 
@@ -248,7 +249,8 @@ class Ensemble:
         return cls(spec, klass(spec.strategy, members, params, engines, name or getattr(spec, "name", None)))
 
     def call(self, prompt: Prompt, sampling: Callable[[dict[str, float]], SamplingParams], *, n: int = 1,
-             logprobs: bool = False) -> Call:
+             logprobs: bool = False, scope: RequestScope = UNSCOPED) -> Call:
+        """One request's call (``scope``: what the request carries to the members' engines)."""
         s = self.strategy
         if s.scores_only:
             raise InvalidRequest(f"The {self.spec.strategy!r} ensemble scores choices only (POST /v1/choices); it "
@@ -269,15 +271,16 @@ class Ensemble:
             return params if params.max_tokens is not None else replace(params, max_tokens=spec.call_max_tokens)
 
         call = Call(list(s.members), prompt, bounded, self.on_member_error, logprobs, s.ensemble, trace=s.describe(),
-                    detail=spec.trace, n=n, deadline_s=spec.deadline_s, max_total_tokens=spec.max_total_tokens)
+                    detail=spec.trace, n=n, deadline_s=spec.deadline_s, max_total_tokens=spec.max_total_tokens,
+                    scope=scope)
         s.precheck(call)
         return call
 
-    def scoring_call(self, prompt: Prompt) -> Call:
+    def scoring_call(self, prompt: Prompt, scope: RequestScope = UNSCOPED) -> Call:
         """A call that scores choices after ``prompt``: nothing is sampled or generated."""
         s = self.strategy
         return Call(s.members, prompt, lambda _defaults: SamplingParams(), self.on_member_error,
-                    ensemble=s.ensemble, trace=s.describe())
+                    ensemble=s.ensemble, trace=s.describe(), scope=scope)
 
     async def score_choices(self, call: Call, question: ChoiceQuestion, combine: str | None) -> ChoiceAnswer:
         ENSEMBLE_REQUESTS.labels(self.strategy.ensemble, self.spec.strategy).inc()

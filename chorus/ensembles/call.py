@@ -13,6 +13,7 @@ from opentelemetry.trace import StatusCode
 
 from chorus.engines.core.base import Delta, Engine, Generation, GenerationRequest, SamplingParams
 from chorus.engines.core.generation import encode_prompt
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.ensembles import spans
 from chorus.ensembles.metrics import MEMBER_CALLS
 from chorus.ensembles.spec import MemberSpec
@@ -147,6 +148,8 @@ class Call:
     stopped: str | None = None  # why the budget ended the work early (None: it did not)
     #: what an online router decided (kept with the request id, so that feedback can be joined to it)
     decision: dict[str, Any] | None = None
+    #: what the request carries to the engines (tenant, salt, routing key, priority): every member call's
+    scope: RequestScope = UNSCOPED
 
     def over_budget(self, before: str) -> bool:
         """Whether the deadline or the token budget is spent, so that ``before`` (a new round, the judge, ...)
@@ -171,9 +174,10 @@ class Call:
                                  ("seed", member.spec.seed)) if v is not None}
         params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})
         if messages is None and self.prompt.text is not None:
-            return encode_prompt(member.engine, params, text=self.prompt.text)
+            return encode_prompt(member.engine, params, text=self.prompt.text, scope=self.scope)
         msgs = messages if messages is not None else self.prompt.as_messages()
-        return encode_prompt(member.engine, params, messages=member.persona(msgs) if persona else msgs)
+        return encode_prompt(member.engine, params, messages=member.persona(msgs) if persona else msgs,
+                             scope=self.scope)
 
     def record(self, member: Member, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         self.usage.add(prompt_tokens, completion_tokens, cached=cached_tokens)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chorus.engines.core.base import ChoiceScorer, Engine
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.scoring import NORMALISATIONS, ChoiceScores, argmax, score_choices, softmax
 from chorus.errors import InvalidRequest
 
@@ -38,18 +39,20 @@ class ChoiceQuestion:
             raise InvalidRequest(f"Unknown normalisation(s) {unknown or '(none given)'}; valid: "
                                  f"{', '.join(NORMALISATIONS)}.", param="normalisations")
 
-    async def score(self, engine: Engine, messages: list[dict[str, Any]] | None = None) -> ChoiceScores:
+    async def score(self, engine: Engine, messages: list[dict[str, Any]] | None = None,
+                    scope: RequestScope | None = None) -> ChoiceScores:
         """The choices scored by one engine (``messages``: this member's own version of the chat prompt)."""
         msgs = messages if messages is not None else self.messages
         return await score_choices(engine, self.choices, text=self.text, messages=msgs,
-                                   unconditional="unconditional" in self.normalisations)
+                                   unconditional="unconditional" in self.normalisations, scope=scope)
 
-    async def answer(self, engine: Engine, messages: list[dict[str, Any]] | None = None) -> tuple[ChoiceAnswer, int]:
+    async def answer(self, engine: Engine, messages: list[dict[str, Any]] | None = None,
+                     scope: RequestScope | None = None) -> tuple[ChoiceAnswer, int]:
         """One engine's answer and the tokens it read: a language model's scores made into probabilities per
         normalisation, or a scorer's (engines/transformers/scorer.py) one distribution, reported under every normalisation
         asked for (it has no token logprobs to normalise)."""
         if not isinstance(engine, ChoiceScorer):
-            scores = await self.score(engine, messages)
+            scores = await self.score(engine, messages, scope)
             return ChoiceAnswer.of(scores, self.normalisations), scores.tokens_scored
         if self.text is None:
             raise InvalidRequest(f"The scorer '{engine.name}' reads a text 'prompt' (passage and question), not chat "

@@ -59,7 +59,7 @@ def chat(ctx: Context, target: Target, req: wire.ChatCompletionRequest) -> Reply
                                  param="continue_final_message")
         prompt = Prompt(messages=req.message_dicts())
         return ensemble_plan(ctx, target.ensemble, req, prompt)
-    return model_plan(target.engine, [req.to_generation_request(target.engine)])
+    return model_plan(target.engine, [req.to_generation_request(target.engine, ctx.scope)])
 
 
 async def completion(ctx: Context, target: Target, req: wire.CompletionRequest) -> ReplyPlan:
@@ -68,7 +68,7 @@ async def completion(ctx: Context, target: Target, req: wire.CompletionRequest) 
     if isinstance(target, EnsembleTarget):
         return await ensemble_completion(ctx, target.ensemble, req)
     engine = target.engine
-    gen_reqs = req.to_generation_requests(engine)
+    gen_reqs = req.to_generation_requests(engine, ctx.scope)
     work = model_plan(engine, gen_reqs)
     if req.max_tokens == 0:
         work.generate = [functools.partial(nothing, g, req.n) for g in gen_reqs]
@@ -76,7 +76,7 @@ async def completion(ctx: Context, target: Target, req: wire.CompletionRequest) 
     work.echoes = [engine.tokenizer.decode(g.prompt_ids) if req.echo else "" for g in gen_reqs]
     if req.echo and req.logprobs is not None:  # log-likelihood scoring: every prompt token's logprob
         k = req.logprobs
-        lps = await until_disconnect(ctx, asyncio.gather(*(engine.prompt_logprobs(g.prompt_ids, k)
+        lps = await until_disconnect(ctx, asyncio.gather(*(engine.prompt_logprobs(g.prompt_ids, k, ctx.scope)
                                                            for g in gen_reqs)))
         work.scored = [([engine.tokenizer.decode([t]) for t in g.prompt_ids], lp) for g, lp in zip(gen_reqs, lps)]
     return work
@@ -120,7 +120,7 @@ async def choices(ctx: Context, target: Target, question: ChoiceQuestion, combin
     tokens read."""
     if isinstance(target, EnsembleTarget):
         ensemble = target.ensemble
-        call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text))
+        call = ensemble.scoring_call(Prompt(messages=question.messages, text=question.text), ctx.scope)
         charge_members(ctx, call)
         answer = await until_disconnect(ctx, ensemble.score_choices(call, question, combine))
         return answer, call.usage.prompt_tokens
@@ -128,7 +128,7 @@ async def choices(ctx: Context, target: Target, question: ChoiceQuestion, combin
         raise InvalidRequest("'combine' applies to ensembles only.", param="combine")
     if trace:
         raise InvalidRequest("'trace' on /v1/choices applies to ensembles only.", param="trace")
-    return await until_disconnect(ctx, question.answer(target.engine))
+    return await until_disconnect(ctx, question.answer(target.engine, scope=ctx.scope))
 
 
 def counting_engine(target: Target) -> Engine:
@@ -143,7 +143,7 @@ def ensemble_plan(ctx: Context, ensemble: Ensemble, req: wire.ChatCompletionRequ
     """The ensemble's call as the reply's work. The tokens sum every member call; token-level strategies produce
     their first token before the first byte is sent (so their errors are HTTP errors), text-level ones start the
     SSE stream at once (pings keep it open while members work) and report a failure as the final error event."""
-    call = ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs)
+    call = ensemble.call(prompt, req.sampling_params, n=req.n, logprobs=req.wants_logprobs, scope=ctx.scope)
     charge_members(ctx, call)
     return ReplyPlan(ensemble_fingerprint(ensemble), [lambda: ensemble.run(call)], [lambda: ensemble.stream(call)],
                      tokens=lambda _completion: (call.usage.prompt_tokens, call.usage.completion_tokens,

@@ -24,7 +24,6 @@ from pydantic import ValidationError
 
 from chorus.config import Limits
 from chorus.engines.core.base import EMBEDDINGS, LOGITS, ChoiceScorer, Engine
-from chorus.engines.core.request_scope import AFFINITY, BACKGROUND, CACHE_SALT
 from chorus.engines.embedding.engine import EmbeddingEngine
 from chorus.ensembles.base import Ensemble
 from chorus.ensembles.spec import EnsembleSpec
@@ -81,10 +80,7 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
     if use == "generate":
         body.check_limits(ctx.config.server.limits)
         tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
-    CACHE_SALT.set(getattr(body, "cache_salt", None))
-    AFFINITY.set(getattr(body, "user", None))  # a conversation key, for a remote model's session routing
-    if getattr(body, "priority", 0) > 0:  # batch work sent by a gateway (remote.batch_priority): behind live prompts
-        BACKGROUND.set(True)
+    ctx.scope = ctx.request_scope(body)  # what every engine call of the request is handed
     ensemble = find_ensemble(ctx, body)
     if ensemble is not None:
         if use == "embed":

@@ -22,7 +22,7 @@ from chorus.config import ChorusConfig
 from chorus.engines.core.base import Choice, DrivenSession, GenerationRequest, SamplingParams
 from chorus.engines.core.generation import collect, decode_loop
 from chorus.engines.core.picks import TokenPicker
-from chorus.engines.core.request_scope import REQUEST_SCOPE
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.sampling import make_generator
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.llama_cpp.engine import LlamaCppEngine
@@ -286,14 +286,12 @@ async def test_sessions_one_task_holds_take_their_sequences_together() -> None:
         assert all(len(o) == 2 and o[0].token_ids == outs[0][0].token_ids for o in outs)
         assert await released(eng)
 
-        async def one() -> LlamaSession:
-            return eng.open_session()
+        request = RequestScope(group=object())  # one request (the gateway makes one each): its tasks' sessions group
 
-        scope = REQUEST_SCOPE.set(object())  # one request (the gateway sets one each): its tasks' sessions group
-        try:
-            many = await asyncio.gather(*(asyncio.create_task(one()) for _ in range(3)))
-        finally:
-            REQUEST_SCOPE.reset(scope)
+        async def one() -> LlamaSession:
+            return eng.open_session(request)
+
+        many = await asyncio.gather(*(asyncio.create_task(one()) for _ in range(3)))
         with pytest.raises(InvalidRequest, match="needs 3 sequences of this model at once; it has 2"):
             await many[0].prefill(ids)
         for s in many:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from chorus.engines.core.base import GenerationRequest, SamplingParams
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.transformers.engine import TransformersEngine
 from chorus.engines.transformers.prefix_store import PrefixStore
 from tests.helpers import SMOL, LiveServer
@@ -36,8 +37,9 @@ def cache_off(engine: TransformersEngine) -> Iterator[None]:
         engine.runner.prefix = store
 
 
-async def prefill(engine: TransformersEngine, ids: list[int]) -> tuple[torch.Tensor, int]:
-    s = engine.open_session()
+async def prefill(engine: TransformersEngine, ids: list[int],
+                  scope: RequestScope | None = None) -> tuple[torch.Tensor, int]:
+    s = engine.open_session(scope)
     try:
         return await s.prefill(ids), s.cached
     finally:
@@ -78,19 +80,14 @@ async def test_a_hit_gives_a_cold_prefills_logits_and_outputs(smol_engine: Trans
 
 
 async def test_a_salt_or_a_small_budget_computes_everything(smol_engine: TransformersEngine) -> None:
-    from chorus.engines.core.request_scope import CACHE_SALT
-
     await smol_engine.drop_prefix_cache()
     ids = chat(smol_engine, QUESTIONS[2])
     store = smol_engine.runner.prefix
     await prefill(smol_engine, ids)
     assert store.held_tokens == len(ids)  # the first prompt was stored (without a salt)
-    token = CACHE_SALT.set("tenant-b")
-    try:
-        assert (await prefill(smol_engine, ids))[1] == 0  # stored without a salt: not tenant-b's
-        assert (await prefill(smol_engine, ids))[1] == len(ids) - 1  # tenant-b's own, stored just now: a hit
-    finally:
-        CACHE_SALT.reset(token)
+    tenant_b = RequestScope(salt="tenant-b")
+    assert (await prefill(smol_engine, ids, tenant_b))[1] == 0  # stored without a salt: not tenant-b's
+    assert (await prefill(smol_engine, ids, tenant_b))[1] == len(ids) - 1  # tenant-b's own, stored just now: a hit
     assert (await prefill(smol_engine, ids))[1] == len(ids) - 1  # the unsalted entry still serves unsalted requests
     smol_engine.runner.prefix = PrefixStore(64 << 10)  # less than this prompt
     try:

@@ -13,7 +13,6 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.core.base import Constraint, GenerationRequest, SamplingParams
-from chorus.engines.core.request_scope import BACKGROUND
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.fake.engine import CharTokenizer, FakeEngine
 from chorus.engines.remote.engine import RemoteEngine
@@ -170,7 +169,7 @@ def test_batch_lines_reach_the_workers_as_batch_work(tmp_path: Path, batch_prior
 
     import openai
 
-    marked = FakeEngine("w", reply=lambda prompt: "batch" if BACKGROUND.get() else "live")
+    marked = FakeEngine("w", reply=lambda prompt: "batch" if marked.scope.background else "live")
     with gateway(ChorusConfig.model_validate({"models": [{"name": "w", "engine": "fake"}]}), {"w": marked}) as w:
         cfg = ChorusConfig.model_validate({
             "server": {"batches": {"dir": str(tmp_path), "poll_s": 0.05}},

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from chorus.config import ChorusConfig
-from chorus.engines.core.request_scope import CACHE_SALT, CACHE_SCOPE, prefix_salt
+from chorus.engines.core.request_scope import RequestScope
 from chorus.server.gateway.auth import KeyStore, hash_key
 from chorus.server.gateway.tenancy import cache_scope, scope_secret
 from tests.helpers import LiveServer, gateway
@@ -53,12 +53,7 @@ def test_each_key_has_its_own_scope_a_team_shares_one_and_all_shares_everything(
 
 def test_the_clients_salt_narrows_within_the_scope_and_cannot_leave_it() -> None:
     def salt(scope: str | None, given: str | None) -> str | None:
-        a, b = CACHE_SCOPE.set(scope), CACHE_SALT.set(given)
-        try:
-            return prefix_salt()
-        finally:
-            CACHE_SALT.reset(b)
-            CACHE_SCOPE.reset(a)
+        return RequestScope(tenant=scope, salt=given).prefix_salt
 
     assert salt(None, None) is None and salt(None, "s") == "s"  # unscoped: today's behaviour
     assert salt("A", None) == "A" and salt("A", "s") == "A:s" != salt("B", "s")

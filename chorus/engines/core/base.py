@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.runtime.metric import Metric
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
@@ -135,6 +136,8 @@ class GenerationRequest:
     trace: dict[str, Any] | None = None
     #: set by the engine at prefill: prompt tokens read from its prefix cache (usage's ``cached_tokens``)
     cached_tokens: int = 0
+    #: what the request carries to the engine beside its parameters (tenant, salt, routing key, priority, deadline)
+    scope: RequestScope = field(default_factory=RequestScope)
 
 
 @dataclass
@@ -362,7 +365,7 @@ class Engine(Protocol):
 
     async def aclose(self) -> None: ...
 
-    def open_session(self) -> Session: ...
+    def open_session(self, scope: RequestScope | None = None) -> Session: ...
 
     async def generate(self, request: GenerationRequest) -> Generation: ...
 
@@ -381,11 +384,13 @@ class Engine(Protocol):
         """Where the model runs, for an ensemble's trace: ``{"runs": "in-process"}``, or a remote model's servers."""
         ...
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         """Each prompt token's logprob given the ones before it (None for the first), top ``k`` alternatives."""
         ...
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """For each continuation, the logprob of each of its tokens after ``prefix`` and the tokens before it
         (multiple-choice scoring, ``engines/core/scoring.py``)."""
         ...

@@ -38,6 +38,7 @@ from chorus.engines.core.constraint import Guide, ll_tokenizer
 from chorus.engines.core.detokenize import TextAssembler
 from chorus.engines.core.hf_tokenizer import has_tool_turns
 from chorus.engines.core.picks import TokenPicker, stepped_picks, token_logprob
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.sampling import make_generator
 from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.runtime.metric import Metric
@@ -66,11 +67,12 @@ def check_context(prompt_len: int, params: SamplingParams, max_model_len: int) -
 
 def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict[str, Any]] | None = None,
                   text: str | None = None, ids: list[int] | None = None, label: str = "the prompt",
-                  options: dict[str, Any] | None = None, trace: dict[str, Any] | None = None) -> GenerationRequest:
+                  options: dict[str, Any] | None = None, trace: dict[str, Any] | None = None,
+                  scope: RequestScope | None = None) -> GenerationRequest:
     """The one place a prompt becomes an engine's request: chat messages through the engine's chat
     template (with the template's stop strings), text through its tokenizer, token ids checked against
     its vocabulary; then prompt + ``max_tokens`` against its context window. ``label`` names the prompt in
-    errors (``prompt 2`` of a batch)."""
+    errors (``prompt 2`` of a batch). ``scope``: what the request carries to the engine (`RequestScope`)."""
     tok = engine.tokenizer
     extra_stop: tuple[str, ...] = ()
     if messages is not None:
@@ -95,7 +97,7 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
         raise InvalidRequest(f"logit_bias names token id(s) {', '.join(map(str, outside[:5]))} outside the "
                              f"vocabulary of {engine.name} (0..{tok.vocab_size - 1}).", param="logit_bias")
     return GenerationRequest(list(ids), params, extra_stop=extra_stop, messages=messages, options=options or {},
-                             trace=trace)
+                             trace=trace, scope=scope or RequestScope())
 
 
 class SessionEngine:
@@ -107,7 +109,7 @@ class SessionEngine:
     capabilities = frozenset({TEXT, STREAM, LOGITS, STRUCTURED, TOOLS})
     sampling_defaults: dict[str, float] = {}  # noqa: RUF012 (each engine sets its own)
 
-    def open_session(self) -> Session:  # pragma: no cover - abstract
+    def open_session(self, scope: RequestScope | None = None) -> Session:  # pragma: no cover - abstract
         raise NotImplementedError
 
     async def start(self) -> None:
@@ -137,12 +139,13 @@ class SessionEngine:
         """What the model family observed for these sessions (a request's ``trace``)."""
         return self.observer.trace(sessions)
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         """Each prompt token's logprob given the tokens before it, with the top ``k`` alternatives (the
         first token has none): log-likelihood scoring, ``/v1/completions`` with ``echo`` and ``logprobs``.
         Generic and exact for any session engine (an ensemble's sessions give the mixture's logprobs): one
         session stepped through the prompt. Engines with a whole-prompt forward override it."""
-        session = self.scoring_session()
+        session = self.scoring_session(scope)
         try:
             logits = await session.prefill(ids[:1])
             out: list[TokenLogprob | None] = [None]
@@ -154,14 +157,15 @@ class SessionEngine:
         finally:
             session.close()
 
-    def scoring_session(self) -> Session:
+    def scoring_session(self, scope: RequestScope | None = None) -> Session:
         """The session prompt scoring steps (an engine whose sessions may not give its full distribution, such
         as a selective ensemble, returns one that does)."""
-        return self.open_session()
+        return self.open_session(scope)
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """Generic: each ``prefix + continuation`` scored whole; engines that can share the prefix override it."""
-        return await by_prompt_logprobs(self, prefix, continuations)
+        return await by_prompt_logprobs(self, prefix, continuations, scope)
 
     def family_metrics(self) -> list[Metric]:
         """The model family's counters since start-up (Prometheus)."""
@@ -172,14 +176,14 @@ class SessionEngine:
         return Generation(choices, len(request.prompt_ids), sum(len(c.token_ids) for c in choices),
                           request.cached_tokens)
 
-    async def prefill_sessions(self, prompt_ids: list[int], n: int,
-                               options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
+    async def prefill_sessions(self, prompt_ids: list[int], n: int, options: dict[str, Any] | None = None,
+                               scope: RequestScope | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
         """Open ``n`` sessions on one prompt; engines that can share one prefill override this."""
         opened: list[Session] = []
         try:
             out = []
             for _ in range(n):
-                session = self.open_session()
+                session = self.open_session(scope)
                 opened.append(session)
                 out.append((session, await session.prefill(prompt_ids)))
             return out
@@ -199,7 +203,7 @@ class SessionEngine:
                 "chorus.engine": self.name, "gen_ai.usage.input_tokens": len(request.prompt_ids), "chorus.n": params.n}
                 ) as prefill_span:
             try:
-                started = await self.prefill_sessions(request.prompt_ids, params.n, request.options)
+                started = await self.prefill_sessions(request.prompt_ids, params.n, request.options, request.scope)
             except GatewayError:
                 raise
             except Exception as exc:

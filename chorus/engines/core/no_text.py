@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from chorus.engines.core.base import Delta, Generation, GenerationRequest, Session, Tokenizer, TokenLogprob
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.runtime.metric import Metric
 from chorus.errors import CapabilityMismatch
 
@@ -19,7 +20,7 @@ class GeneratesNothing:
     def tokenizer(self) -> Tokenizer:
         raise self.refuse("tokenize text for generation")
 
-    def open_session(self) -> Session:
+    def open_session(self, scope: RequestScope | None = None) -> Session:
         raise self.refuse("open a token session")
 
     async def generate(self, request: GenerationRequest) -> Generation:
@@ -29,7 +30,8 @@ class GeneratesNothing:
         raise self.refuse("generate text")
         yield  # pragma: no cover - makes this an async generator
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         raise self.refuse("score prompt tokens", "echo")
 
     async def start(self) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chorus.engines.core.base import Engine, Tokenizer
+from chorus.engines.core.request_scope import RequestScope
 from chorus.errors import ContextLengthExceeded, InvalidRequest
 
 NORMALISATIONS = ("sum", "mean", "char", "unconditional")
@@ -64,9 +65,10 @@ def neutral_prefix(tok: Tokenizer) -> list[int]:
     return tok.encode("") or [min(tok.eos_token_ids)]
 
 
-async def by_prompt_logprobs(engine: Engine, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+async def by_prompt_logprobs(engine: Engine, prefix: list[int], continuations: list[list[int]],
+                             scope: RequestScope | None = None) -> list[list[float]]:
     """The generic way: ``prefix + continuation`` scored whole, once per continuation (concurrently)."""
-    scored = await asyncio.gather(*(engine.prompt_logprobs(prefix + c, 0) for c in continuations))
+    scored = await asyncio.gather(*(engine.prompt_logprobs(prefix + c, 0, scope) for c in continuations))
     return [[float(t.logprob) for t in lps[len(prefix):] if t is not None] for lps in scored]
 
 
@@ -137,7 +139,8 @@ class ChoiceScores:
 
 
 async def score_choices(engine: Engine, choices: Sequence[str], *, text: str | None = None,
-                        messages: list[dict] | None = None, unconditional: bool = True) -> ChoiceScores:
+                        messages: list[dict] | None = None, unconditional: bool = True,
+                        scope: RequestScope | None = None) -> ChoiceScores:
     """Score ``choices`` after a text prompt or chat messages; 400s for a choice with no tokens or one that
     does not fit the context window with the prompt."""
     tok = engine.tokenizer
@@ -149,9 +152,9 @@ async def score_choices(engine: Engine, choices: Sequence[str], *, text: str | N
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {engine.max_model_len} tokens; the prompt ({len(split.prefix)}"
                 f" tokens) with choices[{i}] ({len(c)} tokens) does not fit.", param="choices")
-    per_token = await engine.score_continuations(split.prefix, split.choices)
+    per_token = await engine.score_continuations(split.prefix, split.choices, scope)
     if not unconditional:
         return ChoiceScores(list(choices), per_token, None, len(split.prefix))
     neutral = neutral_prefix(tok)
-    unc = [math.fsum(t) for t in await engine.score_continuations(neutral, split.choices)]
+    unc = [math.fsum(t) for t in await engine.score_continuations(neutral, split.choices, scope)]
     return ChoiceScores(list(choices), per_token, unc, len(split.prefix), len(neutral))

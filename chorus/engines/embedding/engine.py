@@ -26,6 +26,7 @@ import torch
 
 from chorus.engines.core.base import EMBEDDINGS
 from chorus.engines.core.no_text import GeneratesNothing
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.embedding.kind import model_dir
 from chorus.errors import CapabilityMismatch, EngineUnavailable, InvalidRequest
@@ -162,7 +163,8 @@ class EmbeddingEngine(GeneratesNothing):
                     if not p.done.done():
                         p.done.set_result(v)
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         raise self.refuse("score choices", "model")
 
     async def aclose(self) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from chorus.engines.core.base import check_rollback
 from chorus.engines.core.generation import SessionEngine
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.fake.options import FakeOptions
 from chorus.errors import ContextLengthExceeded, EngineFailed
@@ -166,6 +167,7 @@ class FakeEngine(SessionEngine):
         self.reply = reply
         self.replies = list(replies or [])
         self.opened = 0  # sessions opened so far (``replies`` cycles through them)
+        self.scope = UNSCOPED  #: the last session's request scope (what a test reads of it)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.script = script
         self.delay = delay
@@ -176,7 +178,8 @@ class FakeEngine(SessionEngine):
         self.tokenizer = CharTokenizer()
         self._open: set[FakeSession] = set()
 
-    def open_session(self) -> FakeSession:
+    def open_session(self, scope: RequestScope | None = None) -> FakeSession:
+        self.scope = scope or UNSCOPED
         return FakeSession(self)
 
     @property

@@ -31,6 +31,7 @@ import torch
 from chorus.engines.core.base import ServerLoad, Session, TokenLogprob
 from chorus.engines.core.generation import SessionEngine, token_logprob
 from chorus.engines.core.hf_tokenizer import HFTokenizer
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.spec import ModelSpec, chorus_home
 from chorus.engines.llama_cpp.options import LlamaCppOptions
 from chorus.engines.llama_cpp.runner import LlamaRunner
@@ -198,8 +199,8 @@ class LlamaCppEngine(SessionEngine):
             self.lib.llama_model_free(self.model)
             self.ctx = self.model = None
 
-    def open_session(self) -> LlamaSession:
-        return LlamaSession(self.runner)
+    def open_session(self, scope: RequestScope | None = None) -> LlamaSession:
+        return LlamaSession(self.runner, scope)
 
     @property
     def active_sessions(self) -> int:
@@ -225,8 +226,8 @@ class LlamaCppEngine(SessionEngine):
         return {"active_sessions": self.active_sessions, "decode_steps": self.runner.steps,
                 "free_sequences": len(self.runner.free_seqs), **cache.stats(cache.held_tokens)}
 
-    async def prefill_sessions(self, prompt_ids: list[int], n: int,
-                               options: dict[str, Any] | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
+    async def prefill_sessions(self, prompt_ids: list[int], n: int, options: dict[str, Any] | None = None,
+                               scope: RequestScope | None = None) -> Sequence[tuple[Session, torch.Tensor]]:
         """``n`` sequences of one prompt: the prompt is prefilled once, in the first, and its KV cells are copied
         into the others (``llama_memory_seq_cp``: one copy of the sequence's cells, no compute), so n samples cost
         one prefill and n decodes. They are opened together (they take their sequence ids together); more than
@@ -235,8 +236,8 @@ class LlamaCppEngine(SessionEngine):
         if n > self.spec.max_batch_size:
             raise InvalidRequest(f"n={n} exceeds the engine's batch size {self.spec.max_batch_size}", param="n")
         if n == 1:
-            return await super().prefill_sessions(prompt_ids, n, options)
-        sessions = [self.open_session() for _ in range(n)]
+            return await super().prefill_sessions(prompt_ids, n, options, scope)
+        sessions = [self.open_session(scope) for _ in range(n)]
         try:
             row = await sessions[0].prefill(prompt_ids)
             await self.runner.fork(sessions[0], sessions[1:])
@@ -246,12 +247,13 @@ class LlamaCppEngine(SessionEngine):
             raise
         return [(s, row) for s in sessions]
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         """The whole prompt in one session, prefilled in prefill-sized batches that keep every token's logits
         (`LlamaSession.score`), not a step per token nor an extend's small chunks."""
         if len(ids) < 2:
-            return await super().prompt_logprobs(ids, k)
-        session = self.open_session()
+            return await super().prompt_logprobs(ids, k, scope)
+        session = self.open_session(scope)
         try:
             rows = await session.score(ids[:-1])
             return [None, *(token_logprob(self.tokenizer, rows[i], t, k) for i, t in enumerate(ids[1:]))]

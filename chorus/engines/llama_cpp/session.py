@@ -12,7 +12,7 @@ import torch
 
 from chorus.engines.core.base import check_can_roll_back, check_extend, check_rollback
 from chorus.engines.core.picks import Pick, TokenPicker
-from chorus.engines.core.request_scope import BACKGROUND, prefix_salt, request_scope
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
 
@@ -75,8 +75,9 @@ class Feed:
 class LlamaSession:
     """One sequence: the `Session` protocol over a `LlamaRunner` (as its `Scheduler`)."""
 
-    def __init__(self, runner: Scheduler) -> None:
+    def __init__(self, runner: Scheduler, scope: RequestScope | None = None) -> None:
         self._runner = runner
+        scope = scope or UNSCOPED
         self.seq: int | None = None  # the llama.cpp sequence id, taken at prefill
         self.length = 0  # tokens in the cache
         self.work: Work | None = None
@@ -90,11 +91,11 @@ class LlamaSession:
         self.recording = True
         self.cached = 0  # prompt tokens its prefill read from the prefix cache
         self.scheduled_ns: int | None = None  # when its prefill first entered a batch (the queue span's end)
-        self.salt = prefix_salt()  # its tenant scope and cache_salt: prefixes are shared only under the same one
-        self.background = BACKGROUND.get()  # batch work: its prompt waits behind every live one
+        self.salt = scope.prefix_salt  # its tenant and cache_salt: prefixes are shared only under the same one
+        self.background = scope.background  # batch work: its prompt waits behind every live one
         # the request (else the task) that opened it: the sessions one request holds open without a sequence id
         # take their ids together (`LlamaRunner._take_ids`)
-        self.owner = request_scope()
+        self.owner = scope.owner()
         runner.sessions.add(self)
 
     async def prefill(self, ids: Sequence[int]) -> torch.Tensor:

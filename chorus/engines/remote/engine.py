@@ -49,7 +49,7 @@ from chorus.engines.core.base import (
     TopLogprob,
     cancelled,
 )
-from chorus.engines.core.request_scope import BACKGROUND, prefix_salt
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.core.spec import ModelSpec
 from chorus.engines.core.vocab import Vocab, vocab_of
@@ -201,12 +201,12 @@ class RemoteEngine:
 
     # ---- the Engine API ----
 
-    def open_session(self) -> RemoteSession | WorkerSession:
+    def open_session(self, scope: RequestScope | None = None) -> RemoteSession | WorkerSession:
         if TOPK_LOGITS not in self.capabilities:
             raise CapabilityMismatch(f"{self.name} is served over a chat API: no token-level sessions.")
         if self.remote.token_api == "chorus":
-            return WorkerSession(self)
-        return RemoteSession(self)
+            return WorkerSession(self, scope)
+        return RemoteSession(self, scope)
 
     async def call(self, replica: Replica, method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """One JSON call to one replica (a span of its own, whose W3C ``traceparent`` the replica receives);
@@ -222,11 +222,11 @@ class RemoteEngine:
                     raise error_from(resp.status, text, replica.url)
         return json.loads(text)
 
-    async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
+    async def next_token_logprobs(self, ids: list[int], scope: RequestScope) -> torch.Tensor:
         """The server's top-k next-token logprobs after ``ids``, as a vocabulary-sized tensor (-inf elsewhere)."""
         body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                            "logprobs": self.remote.top_logprobs})
-        data = await self._post("/completions", body, ask_of(ids))
+                            "logprobs": self.remote.top_logprobs}, scope)
+        data = await self._post("/completions", body, ask_of(ids, scope))
         top = ((data["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}])[0]
         if self._vocab is None:  # 262k strings for a large vocabulary: off the event loop, once
             await self.token_ids()
@@ -245,15 +245,16 @@ class RemoteEngine:
     def active_sessions(self) -> int:
         return len(self.sessions)
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         """The server's prompt logprobs: ``/completions`` with the ids, ``echo`` and ``logprobs`` (vLLM and a
         chorus worker answer it; one token is generated and dropped). Needs ``api: completions``."""
         if self.remote.api != "completions":
             raise CapabilityMismatch(f"prompt logprobs need the remote model {self.name} served with "
                                      "api: completions (echo with logprobs).", param="echo")
         body = self.salted({"model": self.upstream_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                            "echo": True, "logprobs": max(k, 1)})
-        data = await self._post("/completions", body, ask_of(ids))
+                            "echo": True, "logprobs": max(k, 1)}, scope)
+        data = await self._post("/completions", body, ask_of(ids, scope))
         lp = data["choices"][0].get("logprobs") or {}
         values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
         if len(values) < len(ids):
@@ -267,9 +268,10 @@ class RemoteEngine:
                                     [TopLogprob(t, float(v)) for t, v in top]))
         return out
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """Each ``prefix + continuation`` scored whole by the server (one call per choice, concurrently)."""
-        return await by_prompt_logprobs(self, prefix, continuations)
+        return await by_prompt_logprobs(self, prefix, continuations, scope)
 
     def placement(self) -> dict[str, Any]:
         """The model's servers (and its name there): where a remote member of an ensemble runs."""
@@ -290,15 +292,15 @@ class RemoteEngine:
                                  "remote.family_options: true)", param=name)
         path, body = request_body(request, stream, model=self.name, upstream_model=self.upstream_model,
                                   api=self.remote.api)
-        if self.remote.batch_priority is not None and BACKGROUND.get():
+        if self.remote.batch_priority is not None and request.scope.background:
             body["priority"] = self.remote.batch_priority  # batch work: behind the servers' live requests too
-        return path, self.salted(body)
+        return path, self.salted(body, request.scope)
 
-    def salted(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` with the request's prefix scope as ``cache_salt`` (`prefix_salt`: the tenant, narrowed by the
+    def salted(self, body: dict[str, Any], scope: RequestScope | None) -> dict[str, Any]:
+        """``body`` with the request's prefix scope as ``cache_salt`` (`RequestScope.prefix_salt`: the tenant, narrowed by the
         client's own salt), so a worker's prefix cache keeps tenants apart as the gateway's would. vLLM and chorus
         workers take the field; ``remote.cache_salt: false`` leaves it out for servers that refuse it."""
-        salt = prefix_salt()
+        salt = (scope or UNSCOPED).prefix_salt
         if salt is not None and self.remote.cache_salt:
             body["cache_salt"] = salt
         return body
@@ -306,7 +308,7 @@ class RemoteEngine:
     async def generate(self, request: GenerationRequest) -> Generation:
         path, body = self._body(request, stream=False)
         ids = await self.token_ids() if request.params.logprobs else None
-        gen = generation_from(await self._post(path, body, ask_of(request.prompt_ids)), len(request.prompt_ids),
+        gen = generation_from(await self._post(path, body, ask_of(request.prompt_ids, request.scope)), len(request.prompt_ids),
                               ids, request.params.top_logprobs)
         request.cached_tokens = gen.cached_tokens  # what the worker's prefix cache served (usage relays it)
         return gen
@@ -348,7 +350,7 @@ class RemoteEngine:
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         path, body = self._body(request, stream=True)
         ids = await self.token_ids() if request.params.logprobs else None
-        ask = ask_of(request.prompt_ids)
+        ask = ask_of(request.prompt_ids, request.scope)
         tried: set[str] = set()
         while True:
             replica = self.pool.pick(tried, ask)

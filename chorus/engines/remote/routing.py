@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chorus.engines.core.request_scope import AFFINITY, prefix_salt
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.lazy import load
 
 REPLICA_POLICIES: dict[str, str] = {
@@ -58,9 +58,10 @@ class Ask:
     chain: list[int] | None = field(default=None, repr=False)
 
 
-def ask_of(prompt_ids: Sequence[int]) -> Ask:
+def ask_of(prompt_ids: Sequence[int], scope: RequestScope | None = None) -> Ask:
     """What the routing policy reads of a request: its prompt's ids, its prefix scope, its conversation key."""
-    return Ask(prompt_ids, prefix_salt(), AFFINITY.get())
+    scope = scope or UNSCOPED
+    return Ask(prompt_ids, scope.prefix_salt, scope.affinity)
 
 
 class Policy:

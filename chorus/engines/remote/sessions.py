@@ -12,6 +12,7 @@ import aiohttp
 import torch
 
 from chorus.engines.core.base import check_rollback
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.engines.remote.replicas import Replica, ReplicaPool, Retryable
 from chorus.engines.remote.routing import Ask, ask_of
 from chorus.engines.remote.session_wire import decode_next
@@ -27,9 +28,9 @@ class Upstream(Protocol):
     pool: ReplicaPool
     sessions: set[WorkerSession]  #: the open worker sessions
 
-    async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor: ...
+    async def next_token_logprobs(self, ids: list[int], scope: RequestScope) -> torch.Tensor: ...
 
-    def salted(self, body: dict[str, Any]) -> dict[str, Any]: ...
+    def salted(self, body: dict[str, Any], scope: RequestScope) -> dict[str, Any]: ...
 
     async def post_any(self, url_of: Callable[[Replica], str], body: dict[str, Any],
                        ask: Ask | None = None) -> tuple[Replica, dict[str, Any]]: ...
@@ -44,8 +45,9 @@ class RemoteSession:
     logprobs of the prompt so far (token ids). The server's prefix cache plays the KV cache; the logits
     hold the top-k tokens' logprobs and -inf elsewhere (an approximation of the full distribution)."""
 
-    def __init__(self, engine: Upstream) -> None:
+    def __init__(self, engine: Upstream, scope: RequestScope | None = None) -> None:
         self.engine = engine
+        self.scope = scope or UNSCOPED
         self.ids: list[int] = []
 
     @property
@@ -54,17 +56,17 @@ class RemoteSession:
 
     async def prefill(self, ids: Any) -> torch.Tensor:
         self.ids = list(ids)
-        return await self.engine.next_token_logprobs(self.ids)
+        return await self.engine.next_token_logprobs(self.ids, self.scope)
 
     async def step(self, token: int) -> torch.Tensor:
         self.ids.append(int(token))
-        return await self.engine.next_token_logprobs(self.ids)
+        return await self.engine.next_token_logprobs(self.ids, self.scope)
 
     async def extend(self, ids: Any) -> torch.Tensor:
         """Each new prefix asked at once (the server batches them; its prefix cache shares the work)."""
         start = len(self.ids)
         self.ids.extend(int(t) for t in ids)
-        rows = await asyncio.gather(*(self.engine.next_token_logprobs(self.ids[: start + j + 1])
+        rows = await asyncio.gather(*(self.engine.next_token_logprobs(self.ids[: start + j + 1], self.scope)
                                       for j in range(len(self.ids) - start)))
         return torch.stack(rows)
 
@@ -90,8 +92,9 @@ class WorkerSession:
     step) map onto the v2 step. ``close()`` sends the DELETE in the background; a session the gateway
     never closes is freed by the worker's idle timeout."""
 
-    def __init__(self, engine: Upstream) -> None:
+    def __init__(self, engine: Upstream, scope: RequestScope | None = None) -> None:
         self.engine = engine
+        self.scope = scope or UNSCOPED
         self.replica: Replica | None = None
         self.id: str | None = None
         self.length = 0
@@ -99,8 +102,8 @@ class WorkerSession:
 
     async def prefill(self, ids: Any) -> torch.Tensor:
         engine = self.engine
-        body = engine.salted({"model": engine.upstream_model, "prompt": list(ids)})
-        replica, data = await engine.post_any(sessions_url, body, ask_of(body["prompt"]))
+        body = engine.salted({"model": engine.upstream_model, "prompt": list(ids)}, self.scope)
+        replica, data = await engine.post_any(sessions_url, body, ask_of(body["prompt"], self.scope))
         self.replica, self.id, self.length = replica, data["id"], len(body["prompt"])
         replica.outstanding += 1  # an open session is work held on that replica
         engine.sessions.add(self)

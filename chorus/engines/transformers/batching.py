@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from chorus.engines.core.base import cancelled, check_can_roll_back, check_extend, check_rollback, gather_ready
-from chorus.engines.core.request_scope import BACKGROUND, prefix_salt, queue_in
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope, queue_in
 from chorus.engines.runtime.kv_cache import GrowingCache
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
 from chorus.engines.transformers.batch_rows import BatchRows, PrefillJob, resolve
@@ -47,8 +47,10 @@ MAX_EXTEND = 16
 class BatchedSession:
     """One sequence (one row of the batch); the `Session` protocol over a `BatchRunner`."""
 
-    def __init__(self, runner: BatchRunner, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, runner: BatchRunner, options: dict[str, Any] | None = None,
+                 scope: RequestScope | None = None) -> None:
         self._runner = runner
+        self.scope = scope or UNSCOPED  # its request's: the prefix cache's salt, live or batch work
         #: model-family options of the request (MoDr: recurrence, exit) and what the family observed
         self.options: dict[str, Any] = options or {}
         self.family: Any = None
@@ -184,13 +186,14 @@ class BatchRunner:
             raise InvalidRequest(f"n={len(sessions)} exceeds the engine's batch size {self.max_batch_size}", param="n")
         self.start()
         job = PrefillJob(list(sessions), ids, asyncio.get_running_loop().create_future())
-        salt = prefix_salt()
+        scope = sessions[0].scope  # one request's sessions (n choices share a prefill)
+        salt = scope.prefix_salt
         entry, cached = self.prefix.lookup(ids, salt)
         if entry is not None:
             job.seed, job.done = (entry.layers, cached), cached
         job.keep = self.prefix.wants(ids, salt)
         job.salt = salt
-        job.background = BACKGROUND.get()
+        job.background = scope.background
         for s in sessions:
             s.future = job.future
             s.cached = cached
@@ -202,8 +205,9 @@ class BatchRunner:
             for s in sessions:
                 s.future = None
 
-    def open_many(self, n: int, options: dict[str, Any] | None = None) -> list[BatchedSession]:
-        return [BatchedSession(self, options) for _ in range(n)]
+    def open_many(self, n: int, options: dict[str, Any] | None = None,
+                  scope: RequestScope | None = None) -> list[BatchedSession]:
+        return [BatchedSession(self, options, scope) for _ in range(n)]
 
     # ---- scheduler ----
     async def _loop(self) -> None:
@@ -283,10 +287,11 @@ class BatchRunner:
         """One forward over ``ids`` with no cache kept (`ForwardPasses.score`)."""
         return await self._on_thread(self.passes.score, ids, k)
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """Multiple-choice scoring in one forward (`ForwardPasses.score_continuations`), the prefix read from the
         prefix cache as far as it holds it, and kept there for the next question with the same prefix."""
-        salt = prefix_salt()
+        salt = (scope or UNSCOPED).prefix_salt
         entry, cached = self.prefix.lookup(prefix, salt)
         keep = self.prefix.wants(prefix, salt)
         scores, kept = await self._on_thread(self.passes.score_continuations, prefix, continuations,

@@ -13,6 +13,7 @@ import torch
 from chorus.engines.core.base import ServerLoad, TokenLogprob, TopLogprob
 from chorus.engines.core.generation import SessionEngine
 from chorus.engines.core.hf_tokenizer import HFTokenizer
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.spec import ModelSpec, chorus_home
 from chorus.engines.runtime.metric import Metric
 from chorus.engines.runtime.observer import DenseObserver, FamilyObserver
@@ -57,12 +58,13 @@ class TransformersEngine(SessionEngine):
         self.runner = BatchRunner(model, max_model_len=self.max_model_len, max_batch_size=spec.max_batch_size,
                                   prefill_chunk=spec.prefill_chunk, observer=self.observer, prefix=prefix)
 
-    async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    async def prompt_logprobs(self, ids: list[int], k: int,
+                              scope: RequestScope | None = None) -> list[TokenLogprob | None]:
         """A plain (or grafted) model scores the whole prompt in one forward on the runner's thread, and so
         does a family that decides per sequence (ReasonFormer: on the whole text); other families (MoE expert
         load, MoDr routing) step a session through it (the generic way)."""
         if not (isinstance(self.observer, DenseObserver) or self.observer.decides_on_prompt) or len(ids) < 2:
-            return await super().prompt_logprobs(ids, k)
+            return await super().prompt_logprobs(ids, k, scope)
         chosen, top_v, top_i = await self.runner.score(ids, k)
         decode = self.tokenizer.decode
         out: list[TokenLogprob | None] = [None]
@@ -71,22 +73,24 @@ class TransformersEngine(SessionEngine):
                                     [TopLogprob(decode([int(i)]), float(v)) for i, v in zip(top_i[pos], top_v[pos])]))
         return out
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """A plain model reads ``prefix`` once: prefix and continuations in one tree-masked forward on the
         runner's thread; a family that decides on the prompt prefills the prefix once and feeds each
         continuation after it; other families (and empty continuations) score each ``prefix + continuation``
         whole."""
         if self.observer.decides_on_prompt and prefix and all(continuations) \
                 and len(continuations) <= self.runner.max_batch_size:
-            return await self._score_after_prefix(prefix, continuations)
+            return await self._score_after_prefix(prefix, continuations, scope)
         if not isinstance(self.observer, DenseObserver) or not all(continuations):
-            return await super().score_continuations(prefix, continuations)
-        return await self.runner.score_continuations(prefix, continuations)
+            return await super().score_continuations(prefix, continuations, scope)
+        return await self.runner.score_continuations(prefix, continuations, scope)
 
-    async def _score_after_prefix(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def _score_after_prefix(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None) -> list[list[float]]:
         """A family that decides on the prompt (ReasonFormer): as in generation, the prefix is prefilled once
         (the decision is made on it and shared by its sessions) and each continuation is fed after it."""
-        pairs = await self.prefill_sessions(prefix, len(continuations))
+        pairs = await self.prefill_sessions(prefix, len(continuations), scope=scope)
 
         async def one(session: BatchedSession, first: torch.Tensor, cont: list[int]) -> list[float]:
             logits = first[None] if len(cont) == 1 else torch.cat([first[None], await session.extend(cont[:-1])])
@@ -153,13 +157,13 @@ class TransformersEngine(SessionEngine):
     async def aclose(self) -> None:
         await self.runner.stop()
 
-    def open_session(self) -> BatchedSession:
-        return BatchedSession(self.runner)
+    def open_session(self, scope: RequestScope | None = None) -> BatchedSession:
+        return BatchedSession(self.runner, scope=scope)
 
-    async def prefill_sessions(self, prompt_ids: list[int], n: int,
-                               options: dict[str, Any] | None = None) -> list[tuple[BatchedSession, torch.Tensor]]:
+    async def prefill_sessions(self, prompt_ids: list[int], n: int, options: dict[str, Any] | None = None,
+                               scope: RequestScope | None = None) -> list[tuple[BatchedSession, torch.Tensor]]:
         """``n`` choices share one prefill: the prompt's KV is computed once and copied into n rows."""
-        sessions = self.runner.open_many(n, options)
+        sessions = self.runner.open_many(n, options, scope)
         try:
             logits = await self.runner.submit_prefill(sessions, prompt_ids)
         except BaseException:

@@ -21,6 +21,7 @@ import torch
 
 from chorus.engines.core.base import CHOICES
 from chorus.engines.core.no_text import GeneratesNothing
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.spec import ModelSpec
 from chorus.errors import CapabilityMismatch, EngineUnavailable, InvalidRequest
 
@@ -87,7 +88,8 @@ class ScorerEngine(GeneratesNothing):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._forward, prompt, list(options))
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         raise self.refuse("score token continuations (it scores whole options: score_options)", "choices")
 
     async def aclose(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from chorus.engines.core.base import LOGITS, TOPK_LOGITS, Delta, Engine, GenerationRequest, Session
 from chorus.engines.core.generation import SessionEngine
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.core.scoring import mixture_logprob
 from chorus.ensembles.call import Call, Member, gather
 from chorus.ensembles.logit_average.mixing import SPACES, Mixing, normalised_weights
@@ -101,24 +102,24 @@ class LogitAverage(SessionEngine):
         if "top_k" in p.model_fields_set:
             raise ValueError("'top_k' applies to align 'topk_union' (one shared vocabulary averages every token)")
 
-    def _member_sessions(self) -> list[Session]:
+    def _member_sessions(self, scope: RequestScope | None) -> list[Session]:
         sessions: list[Session] = []
         try:
             for m in self.members:
-                sessions.append(m.open_session())
+                sessions.append(m.open_session(scope))
         except BaseException:
             for s in sessions:
                 s.close()
             raise
         return sessions
 
-    def open_session(self) -> Session:
-        session = self._open_session(self.mode)
+    def open_session(self, scope: RequestScope | None = None) -> Session:
+        session = self._open_session(self.mode, scope)
         session.generating()
         return session
 
-    def _open_session(self, mode: type[MemberSessions]) -> Any:
-        session = mode(self._member_sessions(), self)
+    def _open_session(self, mode: type[MemberSessions], scope: RequestScope | None) -> Any:
+        session = mode(self._member_sessions(scope), self)
         self._open.add(session)
         return session
 
@@ -129,18 +130,19 @@ class LogitAverage(SessionEngine):
     def active_sessions(self) -> int:
         return len(self._open)
 
-    def scoring_session(self) -> Session:
+    def scoring_session(self, scope: RequestScope | None = None) -> Session:
         """Scoring reads the full mixture whatever the mode (a selective session would give the lead's)."""
-        return self._open_session(mode_class("full"))
+        return self._open_session(mode_class("full"), scope)
 
-    async def score_continuations(self, prefix: list[int], continuations: list[list[int]]) -> list[list[float]]:
+    async def score_continuations(self, prefix: list[int], continuations: list[list[int]],
+                                  scope: RequestScope | None = None) -> list[list[float]]:
         """Probability space: each member scores the continuations its own (fastest) way and each token's
         mixture logprob is ``log sum_i w_i p_i(token)``, which needs only the members' logprobs of that
         token. Logit space needs whole distributions: the generic way, stepping averaged sessions."""
         if self.mixing.space == "logit":
-            return await super().score_continuations(prefix, continuations)
+            return await super().score_continuations(prefix, continuations, scope)
         weights = self.weights.tolist()
-        scored = await gather(*(m.score_continuations(prefix, continuations) for m in self.members))
+        scored = await gather(*(m.score_continuations(prefix, continuations, scope) for m in self.members))
         return [mixture_logprob([member[i] for member in scored], weights) for i in range(len(continuations))]
 
     def stream_for(self, reqs: list[GenerationRequest], call: Call) -> AsyncGenerator[Delta, None]:
@@ -154,7 +156,7 @@ class LogitAverage(SessionEngine):
         if params.max_tokens is None:  # up to the context window: the member with the longest prompt's
             params = replace(params, max_tokens=min(self.max_model_len - len(r.prompt_ids) for r in reqs))
         return self.stream(GenerationRequest(lead.prompt_ids, params, extra_stop=tuple(
-            dict.fromkeys(s for r in reqs for s in r.extra_stop))))
+            dict.fromkeys(s for r in reqs for s in r.extra_stop)), scope=call.scope))
 
     def finish(self, call: Call, members: list[Any], reqs: list[GenerationRequest], dropped: list[str],
                emitted: list[int]) -> None:

@@ -83,7 +83,7 @@ class LogitAverageStrategy(Strategy):
                                  "prompt to score ('echo' with 'logprobs').", param="echo")
         req = call.request(self.members[0])
         engine: LogitAverage = self.engine(skip=False)
-        lps = await engine.prompt_logprobs(req.prompt_ids, k)
+        lps = await engine.prompt_logprobs(req.prompt_ids, k, call.scope)
         for m in self.members:
             call.record(m, len(req.prompt_ids), 0)
         return [engine.tokenizer.decode([t]) for t in req.prompt_ids], lps
@@ -100,7 +100,7 @@ class LogitAverageStrategy(Strategy):
                                      "'probabilities'.", param="combine")
             return await super().score_choices(call, question, "probabilities")
         engine: LogitAverage = self.engine(skip=False)
-        scores = await question.score(engine)
+        scores = await question.score(engine, scope=call.scope)
         for m in self.members:
             call.record(m, scores.tokens_scored, 0)
         answer = ChoiceAnswer.of(scores, question.normalisations)

@@ -144,7 +144,7 @@ class TopkUnion:
         sessions: list[Session] = []
         try:
             for m in self.members:
-                sessions.append(m.open_session())
+                sessions.append(m.open_session(reqs[0].scope))
             alive = list(range(len(self.members)))
             await asyncio.to_thread(lambda: [vocab_of(m.tokenizer) for m in self.members])  # first use: build maps
             keep, logits = await step_members([s.prefill(r.prompt_ids) for s, r in zip(sessions, reqs)],

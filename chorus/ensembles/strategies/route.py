@@ -62,7 +62,7 @@ class Route(Strategy):
                                  param="messages")
         member, why = await self.router.choose_text(question.text)
         ROUTE_DECISIONS.labels(self.ensemble, self.params.router, member.label).inc()
-        answer, tokens = await question.answer(member.engine)
+        answer, tokens = await question.answer(member.engine, scope=call.scope)
         call.record(member, tokens, 0)
         answer.trace = {"router": self.params.router, **why, "winner": {"member": member.label}}
         return answer

@@ -23,7 +23,6 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chorus.engines.core.request_scope import BACKGROUND, CACHE_SCOPE, REQUEST_SCOPE
 from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import (
     BodyTimeout,
@@ -75,7 +74,6 @@ class Gateway:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        REQUEST_SCOPE.set(object())  # this request's own (uvicorn runs each request in a task of its own)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         given = headers.get("x-request-id", "")
         rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
@@ -105,9 +103,9 @@ class Gateway:
                     await self.admit(headers, ctx, principal, metered=metered(scope.get("method"), path))
                     admitted = True
                     # the prefix caches' tenant (server/gateway/tenancy.py): set here, before any route, from the key
-                    CACHE_SCOPE.set(cache_scope(principal, self.share, self.secret))
+                    ctx.tenant = cache_scope(principal, self.share, self.secret)
                     if scope.get(BATCH_OWNER) is not None:  # a Batch API line: the engines queue it behind live work
-                        BACKGROUND.set(True)
+                        ctx.background = True
                 except GatewayError as exc:
                     if isinstance(exc, RateLimited):  # the allow-list answers before the limits and the budget
                         exc = await self.unlisted(ctx.principal, path, receive) or exc

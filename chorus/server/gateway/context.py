@@ -15,6 +15,7 @@ from fastapi import Depends
 from starlette.requests import Request
 
 from chorus.config import ChorusConfig
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.server.gateway.auth import Principal
 from chorus.server.gateway.services import Services
 
@@ -52,6 +53,14 @@ class Context:
     served: Served | None = None  #: set by resolve
     reservation: Any = None  #: the worst case held against the key's budget and tpm (server/reserve.py)
     http: Request | None = None  #: the HTTP request (its disconnect is watched), bound by `context`
+    #: the prefix caches' tenant for the key (server/gateway/tenancy.py), set by the front door before any route
+    tenant: str | None = None
+    #: batch work (a Batch API line): set by the front door for the runner's own calls
+    background: bool = False
+    #: what the request hands the engines (`request_scope`), set by resolve
+    scope: RequestScope = UNSCOPED
+    #: what groups the sessions this request holds open (one object per request)
+    group: object = field(default_factory=object)
 
     @property
     def config(self) -> ChorusConfig:
@@ -61,6 +70,15 @@ class Context:
     def owner(self) -> str | None:
         """The name of the request's key (None without keys): what owns its stored responses and held sessions."""
         return self.principal.name if self.principal is not None else None
+
+    def request_scope(self, body: Any = None) -> RequestScope:
+        """What this request carries to the engines: the key's tenant, the body's ``cache_salt`` (which only
+        narrows it) and ``user`` (a remote model's session routing), batch work (the front door's mark, or a body
+        with ``priority`` > 0, sent by a gateway's remote engine), the deadline and the request id."""
+        return RequestScope(tenant=self.tenant, salt=getattr(body, "cache_salt", None),
+                            affinity=getattr(body, "user", None),
+                            background=self.background or getattr(body, "priority", 0) > 0,
+                            deadline=self.deadline, request_id=self.request_id, group=self.group)
 
     def resolved(self) -> Served:
         """What resolve recorded; a request that reaches a reply without it is a bug, never served unchecked."""

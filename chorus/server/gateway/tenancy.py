@@ -3,7 +3,8 @@
 An engine's prefix cache answers a prompt that starts like an earlier one from the stored cells, and the caller
 sees it (``usage.prompt_tokens_details.cached_tokens``, a first token in a fraction of the cold time). Shared
 between keys, that lets one key test, token by token, what another key's prompt starts with. So the gateway gives
-every request a scope before any route runs (`CACHE_SCOPE`, read by the engines through `prefix_salt`):
+every request a tenant before any route runs (``Context.tenant``, handed to the engines in the request's
+`RequestScope`, whose ``prefix_salt`` the prefix caches store under):
 
 - ``server.prefix_cache.share: key`` (the default): the key's own scope; ``team``: the key's team's (a key with no
   ``team`` keeps its own); ``all``: no scope (every caller shares, as a one-user server does).

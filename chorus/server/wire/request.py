@@ -20,6 +20,7 @@ from chorus.engines.core.base import (
     Tools,
 )
 from chorus.engines.core.generation import encode_prompt
+from chorus.engines.core.request_scope import RequestScope
 from chorus.engines.families.options import FamilyFields
 from chorus.errors import InvalidRequest
 from chorus.server.wire import fusion, structured, unsupported
@@ -235,7 +236,7 @@ class ChatCompletionRequest(CompletionFields):
     def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
         return self._params(self.completion_limit, self.logprobs, self.top_logprobs or 0, defaults or {})
 
-    def to_generation_request(self, engine: Engine) -> GenerationRequest:
+    def to_generation_request(self, engine: Engine, scope: RequestScope | None = None) -> GenerationRequest:
         """This request for one engine: its chat template, its sampling defaults, the context checked. With
         ``continue_final_message`` the template renders the turns before the last one, and the assistant's partial
         answer follows the generation prompt as text (a sampled continuation of a partial sample is a sample of
@@ -244,11 +245,11 @@ class ChatCompletionRequest(CompletionFields):
         params = self.sampling_params(engine.sampling_defaults)
         if not self.continue_final_message:
             return encode_prompt(engine, params, messages=messages, options=self.family_options,
-                                 trace={} if self.trace else None)
+                                 trace={} if self.trace else None, scope=scope)
         partial = engine.tokenizer.encode_text(str(messages[-1]["content"]))
         head = encode_prompt(engine, replace(params, max_tokens=1), messages=messages[:-1])
         whole = encode_prompt(engine, params, ids=head.prompt_ids + partial, label="the conversation",
-                              options=self.family_options, trace={} if self.trace else None)
+                              options=self.family_options, trace={} if self.trace else None, scope=scope)
         return replace(whole, extra_stop=head.extra_stop)  # the template's stop strings still end the turn
 
 
@@ -287,9 +288,9 @@ class CompletionRequest(CompletionFields):
     def sampling_params(self, defaults: dict[str, float] | None = None) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, defaults or {})
 
-    def to_generation_requests(self, engine: Engine) -> list[GenerationRequest]:
+    def to_generation_requests(self, engine: Engine, scope: RequestScope | None = None) -> list[GenerationRequest]:
         """One engine request per prompt (raw continuation: no chat template), each context-checked."""
         return [encode_prompt(engine, self.sampling_params(engine.sampling_defaults), label=f"prompt {i}",
-                              options=self.family_options, trace={} if self.trace else None,
+                              options=self.family_options, trace={} if self.trace else None, scope=scope,
                               **({"text": p} if isinstance(p, str) else {"ids": p}))
                 for i, p in enumerate(self.prompts())]

@@ -38,7 +38,6 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import INT_MAX
-from chorus.engines.core.request_scope import CACHE_SALT
 from chorus.engines.remote.session_wire import next_token
 from chorus.errors import InvalidRequest, RateLimited, SessionBusy
 from chorus.server.gateway.accounting import settle
@@ -103,8 +102,8 @@ async def open_session(body: OpenBody, response: Response, ctx: Ctx) -> dict[str
     if len(store.held) >= store.max_open:
         raise RateLimited(f"{store.max_open} sessions are open on this worker; close some or retry.", retry_after=1.0)
     check_share(ctx, body.model)
-    CACHE_SALT.set(body.cache_salt)  # within the key's scope, which the gateway set (server/gateway/tenancy.py)
-    session = engine.open_session()
+    # the key's tenant narrowed by the body's cache_salt (server/gateway/tenancy.py), for the session's life
+    session = engine.open_session(ctx.request_scope(body))
     held = Held(secrets.token_urlsafe(12), body.model, session, vocab, len(body.prompt), ctx.owner)
     store.held[held.id] = held
     try:
