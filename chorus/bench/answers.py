@@ -1,19 +1,16 @@
 """`chorus bench answers`: the answer-side ensembles on GSM8K, from the answers `chorus eval gsm8k` cached.
 
-Every answer was drawn through chorus's API (the served models, one request per greedy answer or per batch of
-samples); this bench replays the served strategies' decision functions (`ensembles.voting`, the cascade fit of
-`training.cascade`) over those cached answers, item by item, so each row is what the strategy would have
-answered with those samples, and costs what drawing them cost (each request's measured seconds and tokens).
-Answers the cache cut at its cap are made whole with their continuations to 768 tokens (`chorus eval
-gsm8k-continue`; a continued answer is charged its whole tokens at the modeled rate).
+Every answer was drawn through chorus's API; this bench replays the served strategies' decision functions
+(`ensembles.answers.votes`, the cascade fit of `training.cascade`) over those cached answers, item by item: each
+row is what the strategy would have answered with those samples, at what drawing them cost. Answers cut at the
+cache's cap are made whole with their continuations to 768 tokens (`chorus eval gsm8k-continue`).
 
 Protocol: every choice is made on the train split (which member is "best", the cascade's threshold for a target
 accuracy, consistency selection's tie-break priors); the test split is only reported. Rows: each member greedy;
 each member's self-consistency at k = 4 and 8 (where cached) and adaptive (batches of 4, Beta rule, up to the
 largest k); the vote over both members' samples; consistency-based selection; the agreement cascade at fixed
-thresholds and at the fitted one; the oracle (some member's greedy answer is right). Columns: accuracy with its
-Wilson interval; the difference from the best member's greedy accuracy (paired bootstrap interval, McNemar's
-p); samples, tokens and seconds per item; the share of items the larger model answered.
+thresholds and at the fitted one; the oracle. Columns: accuracy (Wilson interval); the difference from the best
+member's greedy (paired bootstrap, McNemar's p); samples, tokens, seconds per item; the larger model's share.
 """
 
 from __future__ import annotations
@@ -387,14 +384,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-large", type=int, default=4, help="samples of the large model per item in the cache")
     p.add_argument("--keep", type=float, default=1.0, help="cascade fit: share of the large model's train accuracy")
     p.add_argument("--figure-data", help="write accuracy and seconds per row (JSON) for the figure")
-    p.add_argument("--budget", type=int, default=768, help="answers cut at the cache's cap made whole with their "
-                                                          "continuations to this budget (0: as drawn)")
+    p.add_argument("--budget", type=int, default=768, help="answers cut at the cache's cap made whole with "
+                   "their continuations to this budget (0: as drawn)")
     p.add_argument("--name", default="GSM8K", help="the set's name in the table's title")
     p.add_argument("--stored-answers", action="store_true", help="the answers as extracted when drawn (a set with a "
                    "rule of its own, such as the addition set's first number), not read again from the texts")
-    p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
-                   help="samples cut at max_tokens: abstain while another sample finished (the served default), "
-                        "or vote")
+    p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain", help="samples cut at max_tokens: "
+                   "abstain while another sample finished (the served default), or vote")
     p.add_argument("--seconds", choices=["modeled", "measured"], default="modeled",
                    help="charge each request its measured wall time, or the seconds a quiet machine takes for its "
                         "tokens (fitted per model and kind on the test items below --quiet-items)")
