@@ -31,7 +31,7 @@ import numpy as np
 
 from chorus import stats as S
 from chorus.bench.answers import Item, Outcome, complete, greedy, load, score
-from chorus.ensembles.answers.confidence import MEASURES
+from chorus.ensembles.answers.confidence import MEASURES, measure, stop_at
 from chorus.ensembles.answers.decide import Rule, decide, sample_confidence
 from chorus.ensembles.answers.votes import Sample, settled, tally
 from chorus.training.cascade import same
@@ -47,10 +47,12 @@ class Gate:
     threshold: float | None  # None: no gate (the samples are always drawn)
     stop: str = "none"
     batch: int = 4
+    trace_stop: float | None = None  # DeepConf's online stop (``trace_stop``, window 64): None: every sample whole
 
     def label(self) -> str:
         gate = "no gate" if self.threshold is None else f"gate {self.by} >= {self.threshold:.3g}"
-        return f"{gate}, stop {self.stop}, batch {self.batch}"
+        online = "" if self.trace_stop is None else f", trace_stop {self.trace_stop:.3g}"
+        return f"{gate}, stop {self.stop}, batch {self.batch}{online}"
 
 
 def shares(it: Item, m: str) -> list[tuple[Sample, float, float]]:
@@ -63,6 +65,29 @@ def shares(it: Item, m: str) -> list[tuple[Sample, float, float]]:
     return out
 
 
+TRACE_WINDOW = 64  #: the served ``window`` the online stop is replayed with
+
+
+def stopped(s: Sample, tokens: float, seconds: float, threshold: float | None) -> tuple[Sample, float, float]:
+    """A sample as DeepConf's online stop would have left it (`confidence.stop_at`, the served rule): cut where its
+    window's confidence fell below ``threshold``, charged the tokens and seconds it had by then, with no vote."""
+    if threshold is None or s.per_token is None:
+        return s, tokens, seconds
+    at = stop_at(s.per_token.conf, TRACE_WINDOW, threshold)
+    if at is None:
+        return s, tokens, seconds
+    part = at / max(s.tokens, 1)
+    return dataclasses.replace(s, answer="", canonical="", finish_reason="confidence"), tokens * part, seconds * part
+
+
+def online_grid(train: dict[int, Item], m: str, base: list[Gate]) -> list[Gate]:
+    """DeepConf's online stop on each of ``base``'s rows, its threshold at the 0.1-0.3 quantiles of the train
+    samples' lowest window (64 tokens): exploratory rows, never part of the pre-registered choice."""
+    values = [measure(s.per_token, "lowest_window", TRACE_WINDOW) for it in train.values() for b in it.samples[m]
+              for s in b.samples if s.per_token is not None]
+    return [dataclasses.replace(g, trace_stop=float(np.quantile(values, q))) for g in base for q in (0.1, 0.2, 0.3)]
+
+
 def gated_row(m: str, k: int, g: Gate) -> Callable[[Item], Outcome]:
     def run(it: Item) -> Outcome:
         head = it.greedy[m]
@@ -71,7 +96,7 @@ def gated_row(m: str, k: int, g: Gate) -> Callable[[Item], Outcome]:
         tokens, seconds = head.tokens, head.seconds
         c = sample_confidence(first, g.by) if g.threshold is not None else None
         if g.threshold is None or c is None or c < g.threshold:
-            pool = shares(it, m)[:k]
+            pool = [stopped(s, t, sec, g.trace_stop) for s, t, sec in shares(it, m)[:k]]
             for at in range(0, len(pool), g.batch):
                 for s, t, sec in pool[at:at + g.batch]:
                     voters.append(s)
@@ -242,6 +267,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nTest (n={len(test)}; pre-registered in {pre} at {sha}: the headline rows are marked, every other "
               "row is exploratory):\n")
         print("\n".join(table(test, m, k, gates, headline)))
+    base = [gates[0], gates[1], *(g for g in gates if args.preregistered and g.label() in headline)]
+    online = [*base, *online_grid(train, m, base)]
+    print("\nDeepConf's online stop (`trace_stop`: a sample stopped once its last 64 tokens' mean confidence is below "
+          "the threshold, the train samples' lowest-window quantiles 0.1-0.3; added after the pre-registration: "
+          f"exploratory), train (n={len(train)}):\n")
+    print("\n".join(table(train, m, k, online, set())))
+    if args.preregistered:
+        print(f"\nThe same, test (n={len(test)}; exploratory):\n")
+        print("\n".join(table(test, m, k, online, set())))
     if args.figure:
         panels = [("train", train)] + ([("test, pre-registered", test)] if args.preregistered else [])
         figure(Path(args.figure), m, k, gates, panels, headline if args.preregistered else set())

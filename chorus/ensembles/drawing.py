@@ -16,12 +16,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from chorus.engines.core.base import Delta
-from chorus.ensembles.answers.confidence import Tokens, token_confidence
+from chorus.ensembles.answers.confidence import Tokens, Watch, token_confidence
 from chorus.ensembles.answers.extract import compile_pattern, extract_answer
 from chorus.ensembles.answers.kinds import AnswerCanon, detect_kind
 from chorus.ensembles.answers.votes import STOP_RULES, Sample, Tally, Unfinished, mean_logprob
-from chorus.ensembles.call import Call, Member, replace_question
-from chorus.errors import InvalidRequest
+from chorus.ensembles.call import Call, Member, gather, replace_question
+from chorus.errors import InvalidRequest, MemberFailed
 
 AnswerKind = Literal["number", "choice", "yes_no", "text", "auto"]
 MAX_SAMPLES = 64
@@ -63,10 +63,15 @@ class DrawParams(BaseModel):
 class Drawer:
     """One request's sampling: the answer kind, the canonical answers, the samples drawn so far per member."""
 
-    def __init__(self, call: Call, p: DrawParams, top_logprobs: int = 0) -> None:
+    def __init__(self, call: Call, p: DrawParams, top_logprobs: int = 0,
+                 watch: tuple[int, float] | None = None) -> None:
         self.call = call
         self.p = p
         self.top = top_logprobs  # > 0: read each token's top-k log-probabilities (the samples' confidence)
+        #: DeepConf's online stop, (window, threshold): each sample streamed alone and stopped once its last window's
+        #: mean token confidence is below the threshold (`confidence.Watch`); a stopped sample does not vote
+        self.watch = watch
+        self.stopped = 0  # samples the watch stopped
         question = call.prompt.question
         self.kind, self.rule = (detect_kind(question) if p.answer == "auto" else (p.answer, "given"))
         self.canon = AnswerCanon(self.kind, p.text_threshold)
@@ -91,6 +96,13 @@ class Drawer:
             over["temperature"] = self.p.temperature
         if self.seed is not None and m.spec.seed is None and not greedy:
             over["seed"] = self.seed + 1000 * m.index + have  # every sample its own draw
+        if self.watch is not None and not greedy:
+            seeds = [over["seed"] + j if "seed" in over else None for j in range(count)]
+            got = await gather(*(self.watched(m, {**over, "n": 1, **({"seed": s} if s is not None else {})})
+                                 for s in seeds))
+            new = [s for s in got if s is not None]
+            self.samples[m.label].extend(new)
+            return new
         gen = await self.call.generate(m, self.messages, **over)
         if gen is None:
             return []
@@ -104,6 +116,42 @@ class Drawer:
         else:
             self.samples[m.label].extend(new)
         return new
+
+    async def watched(self, m: Member, over: dict[str, Any]) -> Sample | None:
+        """One sample streamed under the watch: stopped (its stream closed, so the engine stops generating it) once
+        its confidence falls, with no answer and ``finish_reason`` "confidence"; None when the member failed."""
+        assert self.watch is not None
+        watch = Watch(*self.watch)
+        text: list[str] = []
+        logprobs: list[Any] = []
+        tokens, finish, stopped = 0, "stop", False
+        stream = self.call.stream(m, self.messages, **over)
+        try:
+            async for d in stream:
+                text.append(d.text)
+                logprobs.extend(d.logprobs)
+                tokens += len(d.token_ids)
+                finish = d.finish_reason or finish
+                for t in d.logprobs:
+                    stopped = watch.add(token_confidence([x.logprob for x in t.top])) or stopped
+                if stopped:
+                    break
+        except MemberFailed as exc:  # counted by the call's stream; skipped or raised as generate's are
+            if self.call.on_member_error == "fail":
+                raise
+            self.call.trace.setdefault("errors", []).append({"member": m.label, "error": str(exc)})
+            return None
+        finally:
+            await stream.aclose()
+        whole = "".join(text)
+        if stopped:
+            self.stopped += 1
+            return Sample(m.label, whole, "", "", mean_logprob([t.logprob for t in logprobs]), tokens, "confidence",
+                          per_token=self.per_token(logprobs))
+        answer = extract_answer(whole, self.kind, self.pattern)
+        canon = (await self.canon.canon([answer]))[0]
+        return Sample(m.label, whole, answer, canon, mean_logprob([t.logprob for t in logprobs]), tokens, finish,
+                      per_token=self.per_token(logprobs))
 
     def per_token(self, logprobs: list[Any] | None) -> Tokens | None:
         if not self.top or not logprobs:

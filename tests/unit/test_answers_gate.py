@@ -88,3 +88,15 @@ def test_the_figure_draws_each_split_and_marks_the_headline(tmp_path: Path) -> N
     out = tmp_path / "gate.png"
     figure(out, "m", 4, gates, [("train", train), ("test", train)], {gates[1].label()})
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_the_online_stop_replays_a_low_confidence_sample_cut_and_without_a_vote() -> None:
+    from chorus.bench.answers_gate import TRACE_WINDOW, stopped
+
+    low = Sample("m", "The answer is 41.", "41", "41", -1.0, 100, "stop", Tokens([-1.0] * 100, [2.0] * 100))
+    s, tokens, seconds = stopped(low, 100.0, 10.0, 3.0)  # every window is below 3: stopped at the first whole one
+    assert s.answer == "" and s.finish_reason == "confidence" and tokens == TRACE_WINDOW and seconds == 6.4
+    assert stopped(low, 100.0, 10.0, 1.0) == (low, 100.0, 10.0) and stopped(low, 100.0, 10.0, None)[0] is low
+    it = item(sample("41", -0.5), ["42", "42", "42", "42"])  # the samples' confidence is 5: never stopped at 3
+    row = gated_row("m", 4, Gate("mean_logprob", None, "none", 4, trace_stop=3.0))(it)
+    assert row.right and row.samples == 4

@@ -16,7 +16,16 @@ import pytest
 
 from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
-from chorus.ensembles.answers.confidence import Tokens, as_weight, kept, measure, token_confidence, windows
+from chorus.ensembles.answers.confidence import (
+    Tokens,
+    Watch,
+    as_weight,
+    kept,
+    measure,
+    stop_at,
+    token_confidence,
+    windows,
+)
 from chorus.ensembles.answers.decide import Rule, decide
 from chorus.ensembles.answers.votes import Sample
 from chorus.ensembles.fitted.verifier import Verifier, feature_names, sample_features
@@ -435,3 +444,36 @@ def test_gate_fields_that_would_be_ignored_are_refused(client: openai.OpenAI, bo
     with pytest.raises(openai.BadRequestError) as err:
         gated(client, ["sharp"], **body)
     assert isinstance(err.value.body, dict) and err.value.body["param"] == param, err.value.body
+
+
+def test_the_online_stop_is_the_same_rule_as_tokens_arrive_and_over_a_whole_trace() -> None:
+    conf = [5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 5.0, 5.0]
+    assert stop_at(conf, 3, 3.0) == 5  # the window ending at the 5th token (5, 1, 1) is the first below 3
+    assert stop_at(conf, 3, 1.0) is None and stop_at([0.0, 0.0], 3, 3.0) is None  # never below; never a whole window
+    watch = Watch(3, 3.0)
+    assert [watch.add(c) for c in conf[:5]] == [False, False, False, False, True]
+
+
+def test_trace_stop_stops_unsure_samples_as_they_are_drawn_and_they_do_not_vote(client: openai.OpenAI,
+                                                                             fakes: dict[str, FakeEngine]) -> None:
+    body = {"strategy": "answer_vote", "members": ["doubt", "sharp"], "samples": 2, "batch": 2, "answer": "number",
+            "temperature": 0.7, "trace": True, "trace_stop": 5.0, "window": 4}
+    r = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "How many?"}], seed=1,
+                                       extra_body={"ensemble": body})
+    trace = r.model_extra["ensemble"]
+    doubt = [s for s in trace["samples"] if s["member"] == "doubt"]
+    assert [(s["finish_reason"], s["tokens"], s["answer"]) for s in doubt] == [("confidence", 4, "")] * 2
+    assert trace["trace_stop"] == {"threshold": 5.0, "window": 4, "stopped": 2}
+    assert trace["winner"]["answer"] == "42" and r.choices[0].message.content == RIGHT
+    # the stopped samples were not generated past their stop: the usage is the tokens each sample had
+    assert r.usage.completion_tokens == sum(s["tokens"] for s in trace["samples"])
+    assert all(e.active_sessions == 0 for e in fakes.values())  # a stopped stream frees its session
+
+
+def test_trace_stop_reads_the_window_and_needs_logprobs(client: openai.OpenAI) -> None:
+    body = {"strategy": "answer_vote", "members": ["sharp"], "samples": 2, "answer": "number", "trace_stop": 5.0,
+            "tail": 8}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "How many?"}],
+                                       extra_body={"ensemble": body})
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "ensemble.tail"

@@ -14,11 +14,16 @@ distribution). Per sample, one number by a measure (`MEASURES`):
 - ``tail``: the mean of ``conf`` over the last ``tail`` tokens (where the answer is stated).
 
 A sample with fewer tokens than the window has one window, itself.
+
+DeepConf's *online* mode stops a trace while it is drawn: once the mean ``conf`` of its last ``window`` tokens falls
+below a threshold, the rest is not generated and the trace does not vote (`Watch` as tokens arrive, `stop_at` over
+a whole trace: the same rule, served and replayed).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +73,35 @@ def measure(tokens: Tokens, how: str, window: int = 64, tail: int = 64) -> float
     if how == "tail":
         return float(np.mean(conf[-tail:]))
     raise ValueError(f"unknown confidence measure {how!r}: one of {', '.join(MEASURES)}")
+
+
+class Watch:
+    """DeepConf's online stop for one trace as its tokens arrive: `add` each token's confidence; True once the mean
+    of the last ``window`` of them is below ``threshold`` (never before ``window`` tokens)."""
+
+    def __init__(self, window: int, threshold: float) -> None:
+        self.window, self.threshold = window, threshold
+        self.last: deque[float] = deque()
+        self.total = 0.0
+        self.seen = 0
+
+    def add(self, conf: float) -> bool:
+        self.seen += 1
+        self.last.append(conf)
+        self.total += conf
+        if len(self.last) > self.window:
+            self.total -= self.last.popleft()
+        return len(self.last) == self.window and self.total / self.window < self.threshold
+
+
+def stop_at(conf: Sequence[float], window: int, threshold: float) -> int | None:
+    """The tokens a trace had when `Watch` would have stopped it (None: it never would): the replay of the online
+    stop over a trace drawn whole."""
+    watch = Watch(window, threshold)
+    for i, c in enumerate(conf):
+        if watch.add(float(c)):
+            return i + 1
+    return None
 
 
 def kept(scores: Sequence[float], keep: float) -> list[bool]:

@@ -47,7 +47,7 @@ class AnswerVoteParams(DrawParams):
         "each vote counts its sample's confidence, or the verifier's probability that it is right"))
     pick: Literal["vote", "most_confident", "verifier"] = Field(default="vote", description=(
         "the reply's answer: the vote's winner, the most confident sample's, or the verifier's best sample's"))
-    window: int = Field(default=64, ge=1, le=8192, description="tokens per window of lowest_window and bottom_10")
+    window: int = Field(default=64, ge=1, le=8192, description="tokens per window of lowest_window, bottom_10 and trace_stop")
     tail: int = Field(default=64, ge=1, le=8192, description="the last tokens the tail measure reads")
     top_logprobs: int = Field(default=20, ge=1, le=20, description="k of the token confidence (top-k log-probs)")
     verifier: str | None = Field(default=None, description="a verifier trained by `chorus train verifier`")
@@ -56,6 +56,9 @@ class AnswerVoteParams(DrawParams):
     gate: float | None = Field(default=None, description=(
         "with greedy: the greedy answers are drawn first, alone; when they agree and each one's confidence "
         "(gate_by) is at least this, they are the reply and no sample is drawn"))
+    trace_stop: float | None = Field(default=None, description=(
+        "DeepConf's online stop: each sample is drawn as a stream of its own and stopped, without a vote, once the "
+        "mean token confidence of its last `window` tokens falls below this"))
     gate_by: Literal["mean_logprob", "mean_confidence", "lowest_window", "bottom_10", "tail"] = Field(
         default="mean_logprob", description="the confidence measure the gate reads (window and tail as for "
         "confidence_by)")
@@ -93,9 +96,11 @@ def check_rule(p: AnswerVoteParams, models: list[str]) -> Verifier | None:
         raise InvalidRequest("gate_by is read only by the gate; set gate (a confidence threshold), or leave gate_by "
                              "out.", param="ensemble.gate_by")
     measures = {p.confidence_by} | ({p.gate_by} if gated else set())
-    unread = [f for f, read in (("window", bool(measures & {"lowest_window", "bottom_10"})),
+    watched = p.trace_stop is not None
+    unread = [f for f, read in (("window", bool(measures & {"lowest_window", "bottom_10"}) or watched),
                                 ("tail", "tail" in measures),
-                                ("top_logprobs", by or p.verifier is not None or (gated and p.gate_by != "mean_logprob")))
+                                ("top_logprobs", by or p.verifier is not None or watched
+                                 or (gated and p.gate_by != "mean_logprob")))
               if f in given and not read]
     if unread:
         raise InvalidRequest(f"{unread[0]} is read only by a confidence measure that uses it (window: lowest_window, "
@@ -124,10 +129,11 @@ class AnswerVote(Strategy):
         self.model_names = list(dict.fromkeys(m.spec.model for m in self.members))
         self.verifier = check_rule(p, self.model_names)
         reads = (p.confidence_by != "none" or (self.verifier is not None and self.verifier.confidence)
-                 or (p.gate is not None and p.gate_by != "mean_logprob"))
+                 or (p.gate is not None and p.gate_by != "mean_logprob") or p.trace_stop is not None)
         deaf = [m.label for m in self.members if not getattr(m.engine, "relays_logprobs", True)]
         if (reads or p.gate is not None) and deaf:
-            field = ("gate" if p.gate is not None else "verifier" if p.confidence_by == "none" else "confidence_by")
+            field = ("gate" if p.gate is not None else "trace_stop" if p.trace_stop is not None
+                     else "verifier" if p.confidence_by == "none" else "confidence_by")
             raise InvalidRequest(f"confidence reads the samples' token log-probabilities, and member(s) "
                                  f"{', '.join(deaf)} do not relay them.", param=f"ensemble.{field}")
         self.top = p.top_logprobs if reads else 0
@@ -146,7 +152,7 @@ class AnswerVote(Strategy):
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p: AnswerVoteParams = self.params
-        d = Drawer(call, p, self.top)
+        d = Drawer(call, p, self.top, (p.window, p.trace_stop) if p.trace_stop is not None else None)
         alive = list(self.members)
         stopped = ""
         t = Tally()
@@ -185,6 +191,8 @@ class AnswerVote(Strategy):
         if not ranked:
             call.survivors([], self.members)  # every member failed: raises with their errors
         call.trace.update(d.trace(t, stopped))
+        if p.trace_stop is not None:
+            call.trace["trace_stop"] = {"threshold": p.trace_stop, "window": p.window, "stopped": d.stopped}
         if not self.rule.plain:
             call.trace["confidence"] = {"rule": dataclasses.asdict(self.rule), "by_sample": dec.confidence,
                                         "voted": dec.voted, "verifier": dec.verified}
