@@ -65,6 +65,23 @@ def test_the_gate_answers_with_the_greedy_text_where_it_does_not_sample(sdk: ope
     assert not sampled["gate"]["passed"] and sampled["drawn"] == 3
 
 
+def test_the_online_stop_stops_qwens_samples_and_the_greedy_answer_is_the_reply(sdk: openai.OpenAI) -> None:
+    """answer_vote with trace_stop on Qwen: under an unreachable threshold every sample is stopped once it has a
+    window of tokens (its stream closed; it does not vote), so the greedy answer, Qwen's own temperature-0 text, is
+    the reply; under an unreachable-low one no sample is stopped."""
+    single = ask(sdk, QWEN, temperature=0, max_tokens=24)
+    body = {"strategy": "answer_vote", "members": [QWEN], "greedy": True, "samples": 2, "batch": 2,
+            "answer": "text", "window": 4, "trace": True}
+    stopped = ask(sdk, "ensemble", {**body, "trace_stop": 1000.0}, max_tokens=24, seed=3)
+    trace = stopped.model_extra["ensemble"]
+    samples = [s for s in trace["samples"] if not s.get("greedy")]
+    assert trace["trace_stop"]["stopped"] == 2 and [(s["finish_reason"], s["tokens"]) for s in samples] == \
+        [("confidence", 4)] * 2
+    assert stopped.choices[0].message.content == single.choices[0].message.content
+    whole = ask(sdk, "ensemble", {**body, "trace_stop": -1.0}, max_tokens=24, seed=3).model_extra["ensemble"]
+    assert whole["trace_stop"]["stopped"] == 0 and all(s["finish_reason"] != "confidence" for s in whole["samples"])
+
+
 def test_topk_union_of_both_models_streams(sdk: openai.OpenAI) -> None:
     chunks = list(ask(sdk, "unite-default", temperature=0, max_tokens=16, stream=True,
                       stream_options={"include_usage": True}))
