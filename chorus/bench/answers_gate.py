@@ -134,8 +134,9 @@ def committed(path: Path) -> str:
 
 
 def table(items: dict[int, Item], m: str, k: int, gates: list[Gate], headline: set[str]) -> list[str]:
-    base = np.array([o.right for o in score(items, greedy(m))], dtype=float)
-    rows = [(f"{m} greedy", score(items, greedy(m)))] + [(g.label(), score(items, gated_row(m, k, g))) for g in gates]
+    first = score(items, greedy(m))
+    base = np.array([o.right for o in first], dtype=float)
+    rows = [(f"{m} greedy", first)] + [(g.label(), score(items, gated_row(m, k, g))) for g in gates]
     costs = [(float(np.mean([o.tokens for o in out])), float(np.mean([o.right for o in out]))) for _, out in rows]
     greedy_tokens = costs[0][0]
     lines = ["| row | accuracy [95% CI] | vs greedy [95% CI] | McNemar p | samples / item | tokens / item | "
@@ -207,9 +208,10 @@ def figure(path: Path, m: str, k: int, gates: list[Gate], panels: list[tuple[str
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
     colours = dict(zip(MEASURES, ("C0", "C1", "C2", "C3", "C4"), strict=False))
     for ax, (title, items) in zip(axes[0], panels):
-        base = float(np.mean([o.tokens for o in score(items, greedy(m))]))
+        first = score(items, greedy(m))
+        base = float(np.mean([o.tokens for o in first]))
         points: list[tuple[str, Gate | None, float, float]] = [
-            ("greedy", None, 1.0, 100 * float(np.mean([o.right for o in score(items, greedy(m))])))]
+            ("greedy", None, 1.0, 100 * float(np.mean([o.right for o in first])))]
         for g in gates:
             out = score(items, gated_row(m, k, g))
             points.append((g.label(), g, float(np.mean([o.tokens for o in out])) / base,

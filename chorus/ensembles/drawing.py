@@ -144,12 +144,13 @@ class Drawer:
         finally:
             await stream.aclose()
         whole = "".join(text)
+        answer = canon = ""  # a stopped sample has no answer: it does not vote
         if stopped:
             self.stopped += 1
-            return Sample(m.label, whole, "", "", mean_logprob([t.logprob for t in logprobs]), tokens, "confidence",
-                          per_token=self.per_token(logprobs))
-        answer = extract_answer(whole, self.kind, self.pattern)
-        canon = (await self.canon.canon([answer]))[0]
+            finish = "confidence"
+        else:
+            answer = extract_answer(whole, self.kind, self.pattern)
+            canon = (await self.canon.canon([answer]))[0]
         return Sample(m.label, whole, answer, canon, mean_logprob([t.logprob for t in logprobs]), tokens, finish,
                       per_token=self.per_token(logprobs))
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from chorus.engines.core.request_scope import RequestScope
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.engines.runtime.metric import Metric
 from chorus.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
 
@@ -137,7 +137,7 @@ class GenerationRequest:
     #: set by the engine at prefill: prompt tokens read from its prefix cache (usage's ``cached_tokens``)
     cached_tokens: int = 0
     #: what the request carries to the engine beside its parameters (tenant, salt, routing key, priority, deadline)
-    scope: RequestScope = field(default_factory=RequestScope)
+    scope: RequestScope = UNSCOPED
 
 
 @dataclass

@@ -38,7 +38,7 @@ from chorus.engines.core.constraint import Guide, ll_tokenizer
 from chorus.engines.core.detokenize import TextAssembler
 from chorus.engines.core.hf_tokenizer import has_tool_turns
 from chorus.engines.core.picks import TokenPicker, stepped_picks, token_logprob
-from chorus.engines.core.request_scope import RequestScope
+from chorus.engines.core.request_scope import UNSCOPED, RequestScope
 from chorus.engines.core.sampling import make_generator
 from chorus.engines.core.scoring import by_prompt_logprobs
 from chorus.engines.runtime.metric import Metric
@@ -97,7 +97,7 @@ def encode_prompt(engine: Engine, params: SamplingParams, *, messages: list[dict
         raise InvalidRequest(f"logit_bias names token id(s) {', '.join(map(str, outside[:5]))} outside the "
                              f"vocabulary of {engine.name} (0..{tok.vocab_size - 1}).", param="logit_bias")
     return GenerationRequest(list(ids), params, extra_stop=extra_stop, messages=messages, options=options or {},
-                             trace=trace, scope=scope or RequestScope())
+                             trace=trace, scope=scope or UNSCOPED)
 
 
 class SessionEngine:

@@ -34,8 +34,7 @@ class Artifact:
 
     def save(self, out: Path) -> Path:
         """Written as ``out / FILE``."""
-        body = {k: v for k, v in asdict(self).items() if not k.startswith("_")}  # type: ignore[call-overload]
-        return write_artifact(out / self.FILE, body)
+        return write_artifact(out / self.FILE, asdict(self))  # type: ignore[call-overload]
 
     @classmethod
     def load(cls, where: str | Path) -> Self:
