@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from chorus.ensembles.answers.votes import Unfinished, agreement, from_answers, tally
+from chorus.ensembles.fitted.artifact import selectors_dir
+from chorus.ensembles.fitted.cascade import CascadeThresholds
 
 
 def same(a: str, b: str) -> bool:
@@ -90,15 +92,13 @@ def fit_thresholds(rows: list[dict[str, Any]], target: float, compare: Callable[
     return best[1]
 
 
-def write_artifact(path: Path, members: list[str], fit: Fit, *, answer: str, samples: int, source: str,
-                   target: float | None = None, unfinished: str = "abstain") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "kind": "chorus-agreement-cascade", "members": members, "answer": answer, "samples": samples,
-        "unfinished": unfinished,
-        "thresholds": fit.thresholds, "target": target,
-        "train": {"n": fit.n, "accuracy": fit.accuracy, "escalated": fit.escalated, "members_per_item": fit.calls,
-                  "source": source}}, indent=2) + "\n")
+def write_artifact(out: Path, members: list[str], fit: Fit, *, answer: str, samples: int, source: str,
+                   target: float | None = None, unfinished: str = "abstain") -> Path:
+    """The artifact as ``out/cascade.json`` (written atomically); its path."""
+    return CascadeThresholds(
+        members=members, thresholds=fit.thresholds, answer=answer, samples=samples, unfinished=unfinished,
+        target=target, train={"n": fit.n, "accuracy": fit.accuracy, "escalated": fit.escalated,
+                              "members_per_item": fit.calls, "source": source}).save(out)
 
 
 def rows_from_cache(cache: Path, split: str, members: list[str], samples: int) -> list[dict[str, Any]]:
@@ -128,10 +128,11 @@ def main(args: argparse.Namespace) -> int:
     last_alone = simulate(member_stats(rows, unfinished=args.unfinished), never)[0]
     target = args.target if args.target is not None else last_alone * args.keep
     fit = fit_thresholds(rows, target, unfinished=args.unfinished)
-    write_artifact(Path(args.out), args.member, fit, answer="number", samples=args.samples,
-                   source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target,
-                   unfinished=args.unfinished)
-    print(f"{args.out}: thresholds {fit.thresholds}; train n={fit.n}: accuracy {fit.accuracy:.3f} (target "
+    out = Path(args.out) if "/" in args.out else selectors_dir() / args.out
+    path = write_artifact(out, args.member, fit, answer="number", samples=args.samples,
+                          source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target,
+                          unfinished=args.unfinished)
+    print(f"{path}: thresholds {fit.thresholds}; train n={fit.n}: accuracy {fit.accuracy:.3f} (target "
           f"{target:.3f}; {args.member[-1]} alone {last_alone:.3f}), {100 * fit.escalated:.1f}% escalated")
     return 0
 
@@ -143,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=4, help="samples per member (the served cascade's 'samples')")
     p.add_argument("--target", type=float, help="train accuracy to keep (default: the last member's, x --keep)")
     p.add_argument("--keep", type=float, default=1.0, help="share of the last member's train accuracy to keep")
-    p.add_argument("--out", default="cascade.json")
+    p.add_argument("--out", default="gsm8k-cascade",
+                   help="a name in $CHORUS_HOME/selectors (served as the cascade's artifact), or a folder path")
     p.add_argument("--unfinished", choices=["abstain", "vote"], default="abstain",
                    help="samples cut at max_tokens: abstain while another finished (the served default), or vote; "
                         "the served cascade must use the same")

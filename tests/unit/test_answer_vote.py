@@ -18,6 +18,8 @@ from chorus.config import ChorusConfig
 from chorus.engines.fake.engine import FakeEngine
 from chorus.ensembles.answers.extract import extract_answer
 from chorus.ensembles.answers.votes import Sample, agreement, best_sample, beta_confidence, settled, tally
+from chorus.ensembles.fitted.artifact import selectors_dir
+from chorus.ensembles.fitted.cascade import CascadeThresholds
 from chorus.training.cascade import fit_thresholds, member_stats, write_artifact
 from tests.helpers import LiveServer, gateway
 
@@ -269,19 +271,25 @@ def test_the_cascade_fit_reads_cut_answers_as_the_served_rule_does(unfinished: s
     assert member_stats(rows, unfinished=unfinished) == [[(pytest.approx(share), right)]]  # type: ignore[arg-type]
 
 
-def test_agreement_cascade_thresholds_round_trip_through_the_artifact(client: openai.OpenAI,
-                                                                       tmp_path: Path) -> None:
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A CHORUS_HOME of the test's own: fitted artifacts are read from its selectors/ folder."""
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_agreement_cascade_thresholds_round_trip_through_the_artifact(client: openai.OpenAI, home: Path) -> None:
     # train rows: the small model's samples, the large one's, the reference; the small one is right when sure
     rows = [{"members": [["42"] * 4, ["42"] * 4], "reference": "42"},
             {"members": [["1", "2", "3", "1"], ["5"] * 4], "reference": "5"},
             {"members": [["9", "9", "9", "8"], ["9"] * 4], "reference": "9"}]
     fit = fit_thresholds(rows, target=1.0)
     assert fit.thresholds == [0.75] and fit.accuracy == 1.0 and fit.escalated == pytest.approx(1 / 3)
-    path = tmp_path / "cascade.json"
-    write_artifact(path, ["sure", "torn"], fit, answer="number", samples=4, source="test rows")
+    path = write_artifact(selectors_dir() / "round-trip", ["sure", "torn"], fit, answer="number", samples=4,
+                          source="test rows")
     assert json.loads(path.read_text())["thresholds"] == [0.75]
     r = ask(client, {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement",
-                     "answer": "number", "samples": 4, "artifact": str(path)})
+                     "answer": "number", "samples": 4, "artifact": "round-trip"})
     steps = r.model_extra["ensemble"]["steps"]
     assert steps[0]["member"] == "sure" and steps[0]["decision"].startswith("accepted: confidence 0.7500 >= 0.75")
     assert r.choices[0].message.content == RIGHT
@@ -312,17 +320,33 @@ def test_bad_answer_side_ensembles_are_400s_naming_the_field(client: openai.Open
     assert isinstance(body, dict) and body["param"] == param and words in body["message"]
 
 
-def test_an_artifact_for_other_members_is_a_400(client: openai.OpenAI, tmp_path: Path) -> None:
-    path = tmp_path / "other.json"
-    path.write_text(json.dumps({"members": ["big", "small"], "thresholds": [0.5]}))
+def test_an_artifact_for_other_members_is_a_400(client: openai.OpenAI, home: Path) -> None:
+    CascadeThresholds(members=["big", "small"], thresholds=[0.5]).save(selectors_dir() / "other")
     with pytest.raises(openai.BadRequestError) as err:
         ask(client, {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement",
-                     "artifact": str(path)})
+                     "artifact": "other"})
     body = err.value.body
-    assert isinstance(body, dict) and body["param"] == "ensemble.artifact" and "fitted for members" in body["message"]
+    assert isinstance(body, dict) and body["param"] == "ensemble.members" and "trained on members" in body["message"]
 
 
-def test_an_artifact_fitted_with_the_other_cut_sample_rule_is_a_400(client: openai.OpenAI, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "words"), [
+    ("../../etc/passwd", "must name an artifact inside"), ("/etc/hostname", "must name an artifact inside"),
+    ("nowhere", "No cascade artifact 'nowhere'"), ("broken", "not a chorus chorus-agreement-cascade artifact")])
+def test_a_cascade_artifact_is_read_only_inside_the_selectors_folder(client: openai.OpenAI, home: Path, name: str,
+                                                                      words: str) -> None:
+    """A request names an artifact; it cannot make the server open (or probe for) a file anywhere else."""
+    (selectors_dir() / "broken").mkdir(parents=True, exist_ok=True)
+    (selectors_dir() / "broken" / "cascade.json").write_text(json.dumps({"members": ["sure", "torn"],
+                                                                          "thresholds": [0.5]}))
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement",
+                     "artifact": name})
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "ensemble.artifact" and words in body["message"]
+
+
+def test_an_artifact_fitted_with_the_other_cut_sample_rule_is_a_400(client: openai.OpenAI, home: Path,
+                                                                       tmp_path: Path) -> None:
     """`chorus train cascade --unfinished vote` writes its rule; a cascade that abstains cannot use its thresholds,
     and one that votes can."""
     from chorus.training import cascade as train
@@ -335,12 +359,11 @@ def test_an_artifact_fitted_with_the_other_cut_sample_rule_is_a_400(client: open
             "choices": [{"answer": a, "finish_reason": "length" if i else "stop"} for i, a in enumerate(answers)]}))
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    out = tmp_path / "voted.json"
     assert train.main(parser.parse_args(["--member", "sure", "--member", "torn", "--cache", str(cache),
-                                         "--out", str(out), "--unfinished", "vote"])) == 0
-    assert json.loads(out.read_text())["unfinished"] == "vote"
+                                         "--out", "voted", "--unfinished", "vote"])) == 0
+    assert json.loads((selectors_dir() / "voted" / "cascade.json").read_text())["unfinished"] == "vote"
     spec = {"strategy": "cascade", "members": ["sure", "torn"], "confidence": "agreement", "answer": "number",
-            "samples": 4, "artifact": str(out)}
+            "samples": 4, "artifact": "voted"}
     with pytest.raises(openai.BadRequestError) as err:
         ask(client, spec)
     body = err.value.body

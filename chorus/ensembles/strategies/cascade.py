@@ -8,16 +8,14 @@ Confidence of an answer:
   them; a sample without an answer counts against agreement). The reply is the majority answer's most likely
   sample (whole text).
 The last member's answer is always accepted. ``threshold`` is one number or one per step (members
-minus one), or comes from ``artifact``: a file `chorus train cascade` wrote (thresholds fitted on a train
-split for a target accuracy), whose members must be this ensemble's, in order. The accepted answer streams once
+minus one), or comes from ``artifact``: by name, what `chorus train cascade` wrote in ``$CHORUS_HOME/selectors``
+(thresholds fitted on a train split for a target accuracy), whose members must be this ensemble's, in order. The accepted answer streams once
 accepted; the trace lists every step's confidence and why it escalated or stopped.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +26,8 @@ from chorus.ensembles.answers.votes import Sample, Unfinished, agreement, ranked
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
 from chorus.ensembles.drawing import Drawer, DrawParams
+from chorus.ensembles.fitted.artifact import load_trained
+from chorus.ensembles.fitted.cascade import CascadeThresholds
 from chorus.ensembles.metrics import CASCADE_STEPS
 from chorus.errors import InvalidRequest
 
@@ -38,7 +38,8 @@ class CascadeParams(BaseModel):
     confidence: Literal["mean_logprob", "min_logprob", "agreement"] = "mean_logprob"
     threshold: float | list[float] | None = Field(
         default=None, description="accept when confidence >= threshold (one, or one per step)")
-    artifact: str | None = Field(default=None, description="agreement: thresholds from `chorus train cascade`")
+    artifact: str | None = Field(default=None, description=(
+        "agreement: thresholds from `chorus train cascade`, by name in $CHORUS_HOME/selectors"))
     samples: int = Field(default=3, ge=2, le=16, description="agreement: answers drawn per member")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="agreement: sampling temperature")
     answer: Literal["number", "choice", "yes_no", "text", "auto"] = Field(
@@ -47,26 +48,17 @@ class CascadeParams(BaseModel):
         "agreement: samples cut at max_tokens abstain (unless none finished) or vote"))
 
 
-def read_artifact(path: str, members: list[str], unfinished: Unfinished = "abstain") -> list[float]:
-    """The thresholds of a `chorus train cascade` artifact, checked against the ensemble's members (models, in
-    order); a 400 naming ``ensemble.artifact`` when it cannot be read or was fitted for other members, and one
-    naming ``ensemble.unfinished`` when it was fitted with the other rule for cut samples."""
-    try:
-        data = json.loads(Path(path).read_text())
-        fitted, thresholds = list(data["members"]), [float(x) for x in data["thresholds"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InvalidRequest(f"cannot read the cascade artifact {path!r}: {exc}", param="ensemble.artifact") from None
-    if fitted != members:
-        raise InvalidRequest(f"the cascade artifact {path!r} was fitted for members {fitted}, not {members}.",
-                             param="ensemble.artifact")
-    if len(thresholds) != len(members) - 1 or any(not 0 <= x <= 1 for x in thresholds):
-        raise InvalidRequest(f"the cascade artifact {path!r} must hold {len(members) - 1} thresholds in [0, 1].",
-                             param="ensemble.artifact")
-    if data.get("unfinished", unfinished) != unfinished:
-        raise InvalidRequest(f"the cascade artifact {path!r} was fitted with unfinished: {data['unfinished']}; the "
+def read_artifact(name: str, members: list[str], unfinished: Unfinished = "abstain") -> list[float]:
+    """The thresholds of a `chorus train cascade` artifact by name in ``$CHORUS_HOME/selectors`` (never a path
+    elsewhere), fitted for the ensemble's members (models, in order): a 400 naming ``ensemble.artifact`` when it is
+    missing or cannot be read, ``ensemble.members`` when fitted for other members, and ``ensemble.unfinished``
+    when fitted with the other rule for cut samples."""
+    fitted = load_trained(CascadeThresholds, name, members, "cascade", command="chorus train cascade")
+    if fitted.unfinished != unfinished:
+        raise InvalidRequest(f"the cascade artifact {name!r} was fitted with unfinished: {fitted.unfinished}; the "
                              f"ensemble has unfinished: {unfinished} (set the same, or fit again).",
                              param="ensemble.unfinished")
-    return thresholds
+    return [float(x) for x in fitted.thresholds]
 
 
 def agreed_choice(samples: list[Sample], unfinished: Unfinished = "abstain") -> tuple[float, Choice] | None:
