@@ -4,7 +4,9 @@ The semantic and cost routers use the real all-MiniLM-L6-v2 embedder (the thing 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -212,3 +214,23 @@ def test_route_calibrate_hits_the_target_share(tmp_path: Any) -> None:
     assert "| big | 0.25 |" in out and out.splitlines()[-1].startswith("thresholds: [")
     row = next(line for line in out.splitlines() if line.startswith("| big"))
     assert row.endswith("| 0.30 |")  # 3 of 10: the quantile lands on a tie-free sample as near as it can
+
+
+def test_examples_file_is_read_by_name_from_the_selectors_folder(client: openai.OpenAI, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The semantic router's examples file: read from $CHORUS_HOME/selectors by name; a path elsewhere (which a
+    request could otherwise use to probe the server's files) and a missing one are 400s naming the field."""
+    monkeypatch.setenv("CHORUS_HOME", str(tmp_path))
+    (tmp_path / "selectors").mkdir()
+    (tmp_path / "selectors" / "topics.jsonl").write_text(
+        "\n".join(json.dumps({"member": m, "prompt": p}) for m, ps in (("small", CHAT), ("big", MATH)) for p in ps))
+    spec = {"strategy": "route", "router": "semantic", "members": ["small", "big"], "k": 3}
+    resp = ask(client, "small", "What is 12 times 31?", {**spec, "examples_file": "topics.jsonl"}, temperature=0)
+    assert winner(resp) == "big"
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"member": "secret", "prompt": "x"}))
+    for name, words in ((str(outside), "must name an artifact inside"), ("../outside.jsonl", "must name an artifact"),
+                        ("nowhere.jsonl", "No examples_file 'nowhere.jsonl'")):
+        with pytest.raises(openai.BadRequestError, match=words) as err:
+            ask(client, "small", "q", {**spec, "examples_file": name})
+        assert err.value.body["param"] == "ensemble.examples_file" and "secret" not in err.value.body["message"]

@@ -6,30 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.ensembles.call import Call, Member
+from chorus.ensembles.fitted.artifact import artifact_path, selectors_dir
 from chorus.ensembles.routers.base import ExampleRouter
 from chorus.ensembles.similarity import Embedder
 from chorus.errors import InvalidRequest
 
 
-def load_examples(path: str) -> dict[str, list[str]]:
+def load_examples(name: str) -> dict[str, list[str]]:
+    """Labelled examples from a JSONL file by name in ``$CHORUS_HOME/selectors`` (a request cannot make the server
+    read a file anywhere else)."""
     out: dict[str, list[str]] = {}
+    path = artifact_path(name, "ensemble.examples_file")
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise InvalidRequest(f"cannot read examples_file {path}: {exc}", param="ensemble.examples_file") from None
+        lines = path.read_text().splitlines()
+    except OSError:
+        raise InvalidRequest(f"No examples_file {name!r} in {selectors_dir()}.", param="ensemble.examples_file") from None
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 item = json.loads(line)
                 out.setdefault(str(item["member"]), []).append(str(item["prompt"]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise InvalidRequest(f"{path}:{n}: need {{\"member\": ..., \"prompt\": ...}}",
+                raise InvalidRequest(f"{name}:{n}: need {{\"member\": ..., \"prompt\": ...}}",
                                      param="ensemble.examples_file") from None
     return out
 
@@ -38,7 +41,8 @@ class SemanticParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     examples: dict[str, list[str]] | None = Field(default=None, description="member label -> prompts")
-    examples_file: str | None = Field(default=None, description='JSONL of {"member": ..., "prompt": ...}')
+    examples_file: str | None = Field(default=None, description=(
+        'JSONL of {"member": ..., "prompt": ...}, by name in $CHORUS_HOME/selectors'))
     k: int = Field(default=5, ge=1, le=100, description="nearest examples that count")
     threshold: float | None = Field(default=None, ge=-1.0, le=1.0,
                                     description="below this best similarity the default member answers")
