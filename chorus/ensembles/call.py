@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry.trace import StatusCode
 
@@ -96,6 +96,16 @@ def replace_question(messages: list[dict[str, Any]], text: str) -> list[dict[str
     return [*out, {"role": "user", "content": text}]
 
 
+class Said(Protocol):
+    """An answer as the reply gives it (an answer-side strategy's sample)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -165,11 +175,14 @@ class Call:
         return True
 
     def request(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
-                **overrides: Any) -> GenerationRequest:
+                instruction: str | None = None, **overrides: Any) -> GenerationRequest:
         """The member's generation request: its chat template (or the raw prompt), persona and sampling.
 
-        ``persona=False``: the caller already put the member's system prompt into ``messages``.
+        ``persona=False``: the caller already put the member's system prompt into ``messages``. ``instruction``:
+        appended to the client's question (a blank line between; the raw prompt becomes a user message).
         """
+        if instruction:
+            messages = replace_question(messages or self.prompt.as_messages(), f"{self.prompt.question}\n\n{instruction}")
         own = {k: v for k, v in (("temperature", member.spec.temperature), ("top_p", member.spec.top_p),
                                  ("seed", member.spec.seed)) if v is not None}
         params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})
@@ -185,11 +198,11 @@ class Call:
         self.model_of[member.label] = member.spec.model
 
     async def generate(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
-                       **overrides: Any) -> Generation | None:
+                       instruction: str | None = None, **overrides: Any) -> Generation | None:
         """One member call. A failure raises `MemberFailed` (``fail``) or is noted in the trace (``skip``: None)."""
-        req = self.request(member, messages, persona=persona, **overrides)
+        req = self.request(member, messages, persona=persona, instruction=instruction, **overrides)
         self.requests.append((member, req))
-        span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
+        span = spans.member_call(self.scope, self.ensemble, member.label, member.spec.model, req.params.max_tokens,
                                  req.params.temperature)
         try:
             with spans.within(span):  # the engine's phases are its children
@@ -210,12 +223,12 @@ class Call:
         return gen
 
     async def stream(self, member: Member, messages: list[dict[str, Any]] | None = None, *, persona: bool = True,
-                     **overrides: Any) -> AsyncGenerator[Delta, None]:
+                     instruction: str | None = None, **overrides: Any) -> AsyncGenerator[Delta, None]:
         """A member's output as it is made (for strategies that stream a member's answer, e.g. an aggregator)."""
-        req = self.request(member, messages, persona=persona, **overrides)
+        req = self.request(member, messages, persona=persona, instruction=instruction, **overrides)
         self.requests.append((member, req))
         completion = 0
-        span = spans.member_call(self.ensemble, member.label, member.spec.model, req.params.max_tokens,
+        span = spans.member_call(self.scope, self.ensemble, member.label, member.spec.model, req.params.max_tokens,
                                  req.params.temperature)
         stream = spans.under(span, member.engine.stream(req))  # the engine's phases are its children
         try:
@@ -248,6 +261,13 @@ class Call:
             raise MemberFailed("every ensemble member failed: " + "; ".join(
                 f"{e['member']}: {e['error']}" for e in self.trace.get("errors", [])), param="ensemble.members")
         return alive
+
+    def reply(self, ranked: Sequence[Said]) -> list[Delta]:
+        """The reply: the first ``n`` of the ranked answers (an answer-side strategy's samples, best first); a 400
+        naming ``n`` when fewer were drawn."""
+        if len(ranked) < self.n:
+            raise InvalidRequest(f"n={self.n} but only {len(ranked)} samples were drawn; raise 'samples'.", param="n")
+        return [Delta(i, s.text, finish_reason=s.finish_reason) for i, s in enumerate(ranked[:self.n])]
 
     def final_trace(self) -> dict[str, Any]:
         budget = {"deadline_s": self.deadline_s, "max_total_tokens": self.max_total_tokens,

@@ -1,7 +1,9 @@
 """Drawing an answer-side strategy's samples, the one place `answer_vote`, `consistency_select` and `cascade`'s
 agreement share: what they draw with (`DrawParams`), one request's samples per member and its greedy answers
-(`Drawer`: the answers extracted and made canonical as they arrive, the trace of every sample), and the reply's
-choices from the ranked samples.
+(`Drawer`: the answers extracted and made canonical as they arrive, the trace of every sample). A strategy's
+request passes through once: the strategy reads the answer kind (`answers.kinds.answer_kind`), the drawer draws
+through the call (its ``instruction`` is added to the question where the member request is built,
+`call.Call.request`), and the call replies with the ranked samples (`call.Call.reply`).
 
 Each ``draw`` is one request of ``n`` = count to a member (so a batch's samples decode together), at the
 strategy's ``temperature`` unless the member sets its own, each sample its own seed when the request has one; a
@@ -15,12 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from chorus.engines.core.base import Delta
 from chorus.ensembles.answers.confidence import Tokens, Watch, token_confidence
 from chorus.ensembles.answers.extract import compile_pattern, extract_answer
-from chorus.ensembles.answers.kinds import AnswerCanon, detect_kind
+from chorus.ensembles.answers.kinds import AnswerCanon
 from chorus.ensembles.answers.votes import STOP_RULES, Sample, Tally, Unfinished, mean_logprob
-from chorus.ensembles.call import Call, Member, gather, replace_question
+from chorus.ensembles.call import Call, Member, gather
 from chorus.errors import InvalidRequest, MemberFailed
 
 AnswerKind = Literal["number", "choice", "yes_no", "text", "auto"]
@@ -63,8 +64,9 @@ class DrawParams(BaseModel):
 class Drawer:
     """One request's sampling: the answer kind, the canonical answers, the samples drawn so far per member."""
 
-    def __init__(self, call: Call, p: DrawParams, top_logprobs: int = 0,
+    def __init__(self, call: Call, p: DrawParams, kind: tuple[str, str], top_logprobs: int = 0,
                  watch: tuple[int, float] | None = None) -> None:
+        """``kind``: (the answer kind, the rule that decided it), as `answers.kinds.answer_kind` gives them."""
         self.call = call
         self.p = p
         self.top = top_logprobs  # > 0: read each token's top-k log-probabilities (the samples' confidence)
@@ -72,12 +74,9 @@ class Drawer:
         #: mean token confidence is below the threshold (`confidence.Watch`); a stopped sample does not vote
         self.watch = watch
         self.stopped = 0  # samples the watch stopped
-        question = call.prompt.question
-        self.kind, self.rule = (detect_kind(question) if p.answer == "auto" else (p.answer, "given"))
+        self.kind, self.rule = kind
         self.canon = AnswerCanon(self.kind, p.text_threshold)
         self.pattern = compile_pattern(p.answer_pattern)
-        self.messages = (replace_question(call.prompt.as_messages(), f"{question}\n\n{p.instruction}")
-                         if p.instruction else None)
         self.seed = call.sampling({}).seed
         self.samples: dict[str, list[Sample]] = {}
         self.greedy: dict[str, Sample] = {}  # each member's greedy answer, with ``greedy: true``
@@ -103,7 +102,7 @@ class Drawer:
             new = [s for s in got if s is not None]
             self.samples[m.label].extend(new)
             return new
-        gen = await self.call.generate(m, self.messages, **over)
+        gen = await self.call.generate(m, instruction=self.p.instruction, **over)
         if gen is None:
             return []
         answers = [extract_answer(c.text, self.kind, self.pattern) for c in gen.choices]
@@ -125,7 +124,7 @@ class Drawer:
         text: list[str] = []
         logprobs: list[Any] = []
         tokens, finish, stopped = 0, "stop", False
-        stream = self.call.stream(m, self.messages, **over)
+        stream = self.call.stream(m, instruction=self.p.instruction, **over)
         try:
             async for d in stream:
                 text.append(d.text)
@@ -177,11 +176,3 @@ def check_stop(p: DrawParams) -> None:
         raise InvalidRequest(f"stop: {p.stop} decides between batches; with samples {p.samples} and batch {p.batch} "
                              "there is only one: it needs more than one batch (samples > batch).",
                              param="ensemble.stop")
-
-
-def choices(call: Call, ranked: list[Sample]) -> list[Delta]:
-    """The reply: the first ``n`` of the samples as `votes.ranked_samples` orders them (each answer's best sample
-    in vote order, then the rest; by likelihood when no sample gave an answer)."""
-    if len(ranked) < call.n:
-        raise InvalidRequest(f"n={call.n} but only {len(ranked)} samples were drawn; raise 'samples'.", param="n")
-    return [Delta(i, s.text, finish_reason=s.finish_reason) for i, s in enumerate(ranked[:call.n])]

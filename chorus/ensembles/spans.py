@@ -6,30 +6,29 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from opentelemetry import trace
 
+from chorus.engines.core.request_scope import RequestScope
+
 TRACER = trace.get_tracer("chorus.ensembles")
-#: the request's id (X-Request-ID, set by the gateway), on every span
-REQUEST_ID: ContextVar[str | None] = ContextVar("chorus_request_id", default=None)
 T = TypeVar("T")
 
 
-def attributes(**fields: Any) -> dict[str, Any]:
-    """The span attributes given (None left out), with the request id."""
+def attributes(scope: RequestScope, **fields: Any) -> dict[str, Any]:
+    """The span attributes given (None left out), with the request's id (X-Request-ID) from its scope."""
     out = {k.replace("__", "."): v for k, v in fields.items() if v is not None}
-    rid = REQUEST_ID.get()
-    if rid is not None:
-        out["chorus.request_id"] = rid
+    if scope.request_id:
+        out["chorus.request_id"] = scope.request_id
     return out
 
 
-def member_call(ensemble: str, label: str, model: str, max_tokens: int | None, temperature: float | None) -> Any:
+def member_call(scope: RequestScope, ensemble: str, label: str, model: str, max_tokens: int | None,
+                temperature: float | None) -> Any:
     """A span for one member call (started, not current: the caller ends it)."""
     return TRACER.start_span(f"chat {model}", kind=trace.SpanKind.CLIENT, attributes=attributes(
-        gen_ai__operation__name="chat", gen_ai__request__model=model, gen_ai__request__max_tokens=max_tokens,
+        scope, gen_ai__operation__name="chat", gen_ai__request__model=model, gen_ai__request__max_tokens=max_tokens,
         gen_ai__request__temperature=temperature, chorus__ensemble=ensemble or None, chorus__member=label))
 
 
@@ -39,16 +38,16 @@ def usage(span: Any, prompt_tokens: int, completion_tokens: int) -> None:
 
 
 @contextmanager
-def step(name: str, **fields: Any) -> Iterator[Any]:
+def step(name: str, scope: RequestScope, **fields: Any) -> Iterator[Any]:
     """A strategy's step as the current span (its member calls are its children). Never around a ``yield`` of an
     async generator: a span must end in the context it started in."""
-    with TRACER.start_as_current_span(name, attributes=attributes(**fields)) as span:
+    with TRACER.start_as_current_span(name, attributes=attributes(scope, **fields)) as span:
         yield span
 
 
-def started(name: str, **fields: Any) -> Any:
+def started(name: str, scope: RequestScope, **fields: Any) -> Any:
     """A step's span, started but not current (for a step that streams: see `under`); the caller ends it."""
-    return TRACER.start_span(name, attributes=attributes(**fields))
+    return TRACER.start_span(name, attributes=attributes(scope, **fields))
 
 
 def within(span: Any) -> Any:

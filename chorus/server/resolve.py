@@ -79,7 +79,7 @@ def resolve(ctx: Context, body: Any, use: Use = "generate") -> Target:
     (where it has one) narrows the key's prefix-cache scope."""
     if use == "generate":
         body.check_limits(ctx.config.server.limits)
-        tracing.request_attributes(body.model, body.completion_limit, body.temperature, body.operation)
+        tracing.request_attributes(ctx.request_id, body.model, body.completion_limit, body.temperature, body.operation)
     ctx.scope = ctx.request_scope(body)  # what every engine call of the request is handed
     ensemble = find_ensemble(ctx, body)
     if ensemble is not None:

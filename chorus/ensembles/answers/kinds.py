@@ -66,6 +66,12 @@ def clean_reply(text: str, echoes: list[str]) -> str:
     return "\n".join(lines).strip()
 
 
+def answer_kind(question: str, answer: str) -> tuple[str, str]:
+    """(kind, rule) of the answers to ``question``: ``answer`` as the request gives it, or for ``auto`` the one
+    `detect_kind` reads from the question."""
+    return detect_kind(question) if answer == "auto" else (answer, "given")
+
+
 def detect_kind(question: str) -> tuple[str, str]:
     """(kind, the rule that decided it)."""
     if len(OPTION.findall(question)) >= 2:

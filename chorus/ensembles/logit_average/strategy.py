@@ -129,7 +129,7 @@ class LogitAverageStrategy(Strategy):
         deltas = engine.stream_for(reqs, call)
         emitted: list[int] = []
         # token by token, every member is at work for the whole answer: one span each, from start to end
-        member_spans = [spans.member_call(call.ensemble, m.label, m.spec.model, r.params.max_tokens,
+        member_spans = [spans.member_call(call.scope, call.ensemble, m.label, m.spec.model, r.params.max_tokens,
                                           r.params.temperature) for m, r in zip(self.members, reqs)]
         try:
             async for d in deltas:

@@ -27,10 +27,11 @@ from pydantic import Field
 from chorus.engines.core.base import Delta
 from chorus.ensembles import spans
 from chorus.ensembles.answers.decide import Rule, decide, sample_confidence
+from chorus.ensembles.answers.kinds import answer_kind
 from chorus.ensembles.answers.votes import Tally, ranked_samples, settled, tally
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, gather
-from chorus.ensembles.drawing import Drawer, DrawParams, check_stop, choices
+from chorus.ensembles.drawing import Drawer, DrawParams, check_stop
 from chorus.ensembles.fitted.artifact import load_trained
 from chorus.ensembles.fitted.verifier import Verifier
 from chorus.ensembles.spec import member_weights
@@ -152,13 +153,14 @@ class AnswerVote(Strategy):
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
         p: AnswerVoteParams = self.params
-        d = Drawer(call, p, self.top, (p.window, p.trace_stop) if p.trace_stop is not None else None)
+        kind = answer_kind(call.prompt.question, p.answer)
+        d = Drawer(call, p, kind, self.top, (p.window, p.trace_stop) if p.trace_stop is not None else None)
         alive = list(self.members)
         stopped = ""
         t = Tally()
         first = p.greedy  # the greedy answers are drawn beside the first batch
         if p.gate is not None:  # ... or alone, first: confident and agreeing, they are the reply
-            with spans.step("vote.gate"):
+            with spans.step("vote.gate", call.scope):
                 await gather(*(d.draw(m, 1, greedy=True) for m in alive))
             first = False
             gate = self.gated(d)
@@ -168,7 +170,7 @@ class AnswerVote(Strategy):
                 t = tally(d.all(), self.weights, p.unfinished)
         while alive:
             left = {m.label: p.samples - len(d.samples.get(m.label, [])) for m in alive}
-            with spans.step("vote.batch", chorus__drawn=len(d.all())):
+            with spans.step("vote.batch", call.scope, chorus__drawn=len(d.all())):
                 greedy = [d.draw(m, 1, greedy=True) for m in alive] if first else []
                 got = (await gather(*(d.draw(m, min(p.batch, left[m.label])) for m in alive), *greedy))[:len(alive)]
                 first = False
@@ -198,7 +200,7 @@ class AnswerVote(Strategy):
                                         "voted": dec.voted, "verifier": dec.verified}
         call.trace.update({"winner": {"answer": answer, "member": ranked[0].member},
                            "reason": self.reason(t, answer)})
-        for delta in choices(call, ranked):
+        for delta in call.reply(ranked):
             yield delta
 
     def gated(self, d: Drawer) -> dict[str, Any]:

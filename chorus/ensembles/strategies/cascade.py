@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chorus.engines.core.base import Choice, Delta
 from chorus.ensembles import spans
+from chorus.ensembles.answers.kinds import answer_kind
 from chorus.ensembles.answers.votes import Sample, Unfinished, agreement, ranked_samples, tally
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call
@@ -106,14 +107,15 @@ class Cascade(Strategy):
         p: CascadeParams = self.params
         steps: list[dict[str, object]] = []
         call.trace.update({"confidence": p.confidence, "thresholds": self.thresholds, "steps": steps})
+        kind = answer_kind(call.prompt.question, p.answer)
         drawer = Drawer(call, DrawParams(answer=p.answer, samples=p.samples, batch=p.samples, text_threshold=None,
-                                         temperature=p.temperature))
+                                         temperature=p.temperature), kind)
         last = len(self.members) - 1
         best: tuple[float, Choice, str] | None = None  # if the later members fail, the most confident answer
         for i, m in enumerate(self.members):
             if best is not None and call.over_budget(f"asking {m.label}"):
                 break  # the most confident answer so far
-            with spans.step("cascade.step", chorus__step=i, chorus__member=m.label):
+            with spans.step("cascade.step", call.scope, chorus__step=i, chorus__member=m.label):
                 if p.confidence == "agreement":
                     drawn = await drawer.draw(m, p.samples)
                     found = agreed_choice(drawn, p.unfinished)

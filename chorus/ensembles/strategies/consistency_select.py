@@ -18,10 +18,11 @@ from typing import Any
 from pydantic import Field
 
 from chorus.engines.core.base import Delta
+from chorus.ensembles.answers.kinds import answer_kind
 from chorus.ensembles.answers.votes import agreement, ranked_samples, settled, tally
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather
-from chorus.ensembles.drawing import Drawer, DrawParams, check_stop, choices
+from chorus.ensembles.drawing import Drawer, DrawParams, check_stop
 from chorus.errors import InvalidRequest
 
 
@@ -72,7 +73,8 @@ class ConsistencySelect(Strategy):
                 return
 
     async def stream(self, call: Call) -> AsyncGenerator[Delta, None]:
-        d = Drawer(call, self.params)
+        kind = answer_kind(call.prompt.question, self.params.answer)
+        d = Drawer(call, self.params, kind)
         await gather(*(self.sample_member(d, m) for m in self.members))
         drew = [m for m in self.members if d.samples.get(m.label)]
         if not drew:
@@ -86,5 +88,5 @@ class ConsistencySelect(Strategy):
                                       "histogram": dict(tallies[s[0]].ranked())} for s in stats}
         call.trace.update(d.trace(tally(d.all(), unfinished=p.unfinished), "per member"))
         call.trace.update({"members": per, "winner": {"member": label, "answer": t.winner}, "reason": why})
-        for delta in choices(call, ranked_samples(d.samples[label], t)):
+        for delta in call.reply(ranked_samples(d.samples[label], t)):
             yield delta

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from chorus.engines.core.base import Delta
 from chorus.ensembles import spans
 from chorus.ensembles.answers.extract import compile_pattern, extract_answer
-from chorus.ensembles.answers.kinds import AnswerCanon, clean_reply, detect_kind
+from chorus.ensembles.answers.kinds import AnswerCanon, answer_kind, clean_reply
 from chorus.ensembles.base import Budget, Strategy
 from chorus.ensembles.call import Call, Member, gather, replace_question
 from chorus.errors import InvalidRequest
@@ -136,14 +136,13 @@ class ExchangeOfThought(Strategy):
         question = call.prompt.question
         base = call.prompt.as_messages()
         rounds: list[dict[str, Any]] = []
-        kind, rule = (detect_kind(question) if self.params.answer == "auto" else
-                      (self.params.answer, "given"))
+        kind, rule = answer_kind(question, self.params.answer)
         canon = AnswerCanon(kind, self.params.text_threshold)
         call.trace.update({"topology": self.params.topology if self.params.visibility is None else "custom",
                            "visibility": [[int(x) for x in row] for row in self.sees],
                            "answer_type": kind, "answer_rule": rule, "rounds": rounds})
         first = replace_question(base, f"{question}\n\n{self.instruction(kind)}")
-        with spans.step("eot.round", chorus__round=0):
+        with spans.step("eot.round", call.scope, chorus__round=0):
             gens = await gather(*(call.generate(m, first) for m in self.members))
         active: list[Member] = []
         text: dict[int, str] = {}
@@ -180,7 +179,7 @@ class ExchangeOfThought(Strategy):
                         question, text[m.index], [(p.label, text[p.index], conf[p.label]) for p in peers], kind)))
                     agents.append({"member": m.label, "sees": [p.label for p in peers],
                                    "peer_confidence": {k: v for k, v in conf.items() if v is not None}})
-                with spans.step("eot.round", chorus__round=r):
+                with spans.step("eot.round", call.scope, chorus__round=r):
                     replies = await gather(*(call.generate(m, msgs) for m, msgs in zip(active, prompts)))
                 kept = []
                 for m, reply, a in zip(active, replies, agents):

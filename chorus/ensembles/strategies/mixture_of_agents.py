@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from chorus.engines.core.base import Delta, Generation
 from chorus.ensembles import spans
 from chorus.ensembles.answers.extract import extract_answer
-from chorus.ensembles.answers.kinds import AnswerCanon, detect_kind
+from chorus.ensembles.answers.kinds import AnswerCanon, answer_kind
 from chorus.ensembles.base import Strategy
 from chorus.ensembles.call import Call, Member, resolve_members
 from chorus.ensembles.quorum import first_k
@@ -131,8 +131,7 @@ class MixtureOfAgents(Strategy):
 
     async def agreement(self, call: Call, alive: list[tuple[Member, Generation]]) -> dict[str, Any]:
         """Do the proposals agree? (the judge-skip test, with the reasons it may not apply)."""
-        kind, rule = (detect_kind(call.prompt.question) if self.params.answer == "auto" else
-                      (self.params.answer, "given"))
+        kind, rule = answer_kind(call.prompt.question, self.params.answer)
         extracted = [extract_answer(g.choices[0].text, kind) for _, g in alive]
         canon = await AnswerCanon(kind, self.params.text_threshold).canon(extracted)
         out: dict[str, Any] = {"answer_type": kind, "answer_rule": rule,
@@ -157,7 +156,7 @@ class MixtureOfAgents(Strategy):
         for layer in range(self.params.layers):
             if layer and call.over_budget(f"layer {layer}"):
                 break
-            with spans.step("moa.layer", chorus__layer=layer):
+            with spans.step("moa.layer", call.scope, chorus__layer=layer):
                 alive = await self.propose(call, layer, messages, answers)
             answers = [g.choices[0].text for _, g in alive]
             layers.append([{"member": m.label, "text": g.choices[0].text} for m, g in alive])
@@ -182,7 +181,7 @@ class MixtureOfAgents(Strategy):
         judge["order"] = [alive[i][0].label for i in order]  # answer k in the judge's prompt is order[k-1]
         shown = [answers[i] for i in order]
         after = ""
-        span = spans.started("moa.judge", chorus__member=self.aggregator.label, chorus__proposals=len(shown))
+        span = spans.started("moa.judge", call.scope, chorus__member=self.aggregator.label, chorus__proposals=len(shown))
         try:  # the judge's calls (its rationale, its answer) are the span's children
             if self.params.rationale:
                 with spans.within(span):

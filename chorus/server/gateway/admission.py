@@ -23,7 +23,6 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import (
     BodyTimeout,
     EngineUnavailable,
@@ -80,7 +79,6 @@ class Gateway:
         t0 = time.perf_counter()
         ctx = Context(self.services, rid, t0)
         scope.setdefault("state", {})[STATE_KEY] = ctx
-        REQUEST_ID.set(rid)  # on every span of this request (ensembles/spans.py)
         status = {"code": 0}
 
         async def send_with_id(message: Message) -> None:

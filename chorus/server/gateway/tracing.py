@@ -18,7 +18,6 @@ from typing import Any
 
 from opentelemetry import trace
 
-from chorus.ensembles.spans import REQUEST_ID
 from chorus.errors import ConfigError
 
 EXPORTERS = ("console", "otlp")
@@ -72,14 +71,14 @@ def flush() -> None:
         _provider.force_flush()
 
 
-def request_attributes(model: str, max_tokens: int | None, temperature: float | None,
+def request_attributes(request_id: str, model: str, max_tokens: int | None, temperature: float | None,
                        operation: str = "chat") -> None:
     """The GenAI attributes of the request's own span (FastAPI's server span), when tracing is on."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attributes({k: v for k, v in {
             "gen_ai.operation.name": operation, "gen_ai.request.model": model, "gen_ai.request.max_tokens": max_tokens,
-            "gen_ai.request.temperature": temperature, "chorus.request_id": REQUEST_ID.get()}.items()
+            "gen_ai.request.temperature": temperature, "chorus.request_id": request_id or None}.items()
             if v is not None})
 
 
