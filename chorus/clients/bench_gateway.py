@@ -136,13 +136,16 @@ def main(args: argparse.Namespace) -> int:
             upstream, name, api = f"http://127.0.0.1:{up_port}", "mock", "chat"
             wait_ready(upstream + "/v1/models", procs[-1])
             targets = {"direct to the mock upstream": upstream}
-        stores = {"through chorus (1 process)": ("memory", 1)}
+        stores = {"through chorus (1 process)": ("memory", 1, None)}
+        if args.against:  # another checkout's gateway beside this one's, in the same rounds (before / after a change)
+            stores[f"through chorus at {args.against}"] = ("memory", 1, args.against)
         if args.redis:
-            stores["through chorus, limits in Redis"] = (args.redis, 1)
+            stores["through chorus, limits in Redis"] = (args.redis, 1, None)
             if args.processes > 1:
-                stores[f"through chorus ({args.processes} processes, limits in Redis)"] = (args.redis, args.processes)
-        for label, (store, processes) in stores.items():  # the same key and limits; where they are counted differs
-            port = gw_port if store == "memory" else free_port()
+                stores[f"through chorus ({args.processes} processes, limits in Redis)"] = (args.redis, args.processes,
+                                                                                            None)
+        for label, (store, processes, checkout) in stores.items():  # the same key and limits; counted elsewhere
+            port = gw_port if store == "memory" and checkout is None else free_port()
             cfg = tmp / f"gw-{port}.yaml"
             cfg.write_text(json.dumps({
                 "server": {"limits": {"max_concurrent_requests": 4096}, "log": {"level": args.log_level},
@@ -153,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
                             "remote": {"replicas": [upstream + "/v1"], "tokenizer": tok, "api": api,
                                        "model": name}}]}))
             procs.append(subprocess.Popen([sys.executable, "-m", "chorus", "serve", "--config", str(cfg), "--port",
-                                           str(port), "--workers", str(processes)], env=env,
+                                           str(port), "--workers", str(processes)], env=env, cwd=checkout,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             targets[label] = f"http://127.0.0.1:{port}"
             wait_ready(targets[label] + "/health", procs[-1])
@@ -174,18 +177,22 @@ def main(args: argparse.Namespace) -> int:
         try:
             rows: list[list[str]] = []
             measured: list[dict[str, object]] = []
+            paired: list[list[str]] = []
             for stream in (False, True):
                 body = {"model": "mock", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                         "max_tokens": 16, "stream": stream}
                 for c in args.concurrency:
                     runs: dict[str, list[dict[str, float]]] = {label: [] for label in targets}
-                    for _ in range(args.rounds):  # rounds interleave the targets: drift in load hits them alike
-                        for label, url in targets.items():
+                    for r in range(args.rounds):  # rounds interleave the targets (every other round in reverse
+                        # order): drift in load hits them alike
+                        for label, url in (reversed(targets.items()) if r % 2 else targets.items()):
                             key = LITELLM_KEY if "LiteLLM" in label else "bench"
                             sent = {**body, "model": name} if label.startswith("direct") else body
                             runs[label].append(wrk(url + "/v1/chat/completions", sent, c, args.seconds, tmp, key,
                                                    timeout_s=120 if args.upstream else 2))
                     direct = runs[next(iter(runs))]  # the first target: the path without a gateway
+                    if args.against:
+                        paired.append(against_row(stream, c, runs, args.against))
                     for label, results in runs.items():
                         added = [r["p50"] - d["p50"] for r, d in zip(results, direct)]  # paired by round
                         cells = {"rps": spread([r["rps"] for r in results]), "p50": spread([r["p50"] for r in results]),
@@ -206,10 +213,24 @@ def main(args: argparse.Namespace) -> int:
               f"{where}")
     print(source)
     print(markdown_table(header, rows))
+    if paired:
+        print(f"\nthis checkout against {args.against}, paired by round (> 1: this checkout has more req/s, a lower "
+              "p50); each the median of the rounds' ratios [lowest, highest], and the rounds where this one was ahead")
+        print(markdown_table(["mode", "conc.", "req/s ratio", "p50 ratio (theirs / ours)", "ahead in"], paired))
     if args.json:
         Path(args.json).write_text(json.dumps({"source": source, "rounds": args.rounds, "rows": measured},
                                               indent=1) + "\n")
     return 0
+
+
+def against_row(stream: bool, c: int, runs: dict[str, list[dict[str, float]]], against: str) -> list[str]:
+    """This checkout's gateway against the other's, round by round (both measured in every round, in turn)."""
+    ours, theirs = runs["through chorus (1 process)"], runs[f"through chorus at {against}"]
+    rps = [o["rps"] / t["rps"] for o, t in zip(ours, theirs) if t["rps"]]
+    p50 = [t["p50"] / o["p50"] for o, t in zip(ours, theirs) if o["p50"]]
+    ahead = sum(o["rps"] > t["rps"] for o, t in zip(ours, theirs))
+    return ["stream" if stream else "non-stream", str(c), shown(spread(rps), "{:.3f}"), shown(spread(p50), "{:.3f}"),
+            f"{ahead}/{len(ours)}"]
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -248,5 +269,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="wrk connections per cell")
     p.add_argument("--processes", type=int, default=1,
                    help="with --redis: one more row, the gateway as this many processes (chorus serve --workers)")
+    p.add_argument("--against", metavar="CHECKOUT",
+                   help="another checkout of chorus (e.g. `git worktree add /tmp/before REV`): its gateway is measured "
+                        "beside this one's in every round, in turn, and the two compared round by round")
     p.add_argument("--redis", help="a Redis URL: one more chorus process counting the same key's limits there "
                    "(server.state.store), for the shared limiter's cost per request")
