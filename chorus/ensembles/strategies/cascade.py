@@ -49,7 +49,7 @@ class CascadeParams(BaseModel):
         "agreement: samples cut at max_tokens abstain (unless none finished) or vote"))
 
 
-def read_artifact(name: str, members: list[str], unfinished: Unfinished = "abstain") -> list[float]:
+def fitted_thresholds(name: str, members: list[str], unfinished: Unfinished = "abstain") -> list[float]:
     """The thresholds of a `chorus train cascade` artifact by name in ``$CHORUS_HOME/selectors`` (never a path
     elsewhere), fitted for the ensemble's members (models, in order): a 400 naming ``ensemble.artifact`` when it is
     missing or cannot be read, ``ensemble.members`` when fitted for other members, and ``ensemble.unfinished``
@@ -84,7 +84,7 @@ class Cascade(Strategy):
             if p.confidence != "agreement":
                 raise InvalidRequest("'artifact' holds agreement thresholds: it needs confidence: agreement.",
                                      param="ensemble.artifact")
-            t = read_artifact(p.artifact, [m.spec.model for m in self.members], p.unfinished)
+            t = fitted_thresholds(p.artifact, [m.spec.model for m in self.members], p.unfinished)
         else:
             assert p.threshold is not None
             t = p.threshold if isinstance(p.threshold, list) else [p.threshold] * steps
