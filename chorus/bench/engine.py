@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from chorus.clients.local import free_port, vllm_command, wait_ready
+from chorus.clients.local import free_port, spawn, stop_all, vllm_command, wait_ready
 from chorus.engines.core.spec import ModelSpec
 
 PROMPT = "Write a long story about a dragon who learns to sing."
@@ -184,20 +184,15 @@ class Server:
 
 
 def stop_servers(servers: list[Server]) -> None:
-    for srv in servers:
-        if srv.proc is not None:
-            srv.proc.terminate()
-            try:
-                srv.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.proc.kill()
+    """Each started server stopped with its process group (vLLM's engine processes with it)."""
+    stop_all([srv.proc for srv in servers if srv.proc is not None], grace=30)
 
 
 def _http_rows(servers: list[Server], args: argparse.Namespace, env: dict[str, str]) -> list[Row]:
     """Both servers run at once (idle, each uses no CPU); rounds alternate between them."""
     try:
         for srv in servers:
-            srv.proc = subprocess.Popen(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
+            srv.proc = spawn(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
         ready = []
         for srv in servers:
             try:

@@ -23,7 +23,7 @@ from pathlib import Path
 from chorus.bench.engine import Server, http_load, stop_servers
 from chorus.bench.family_parity import CHECKPOINTS, derive_checkpoints
 from chorus.bench.vllm import STREAMED, engine_rows
-from chorus.clients.local import free_port, markdown_table, vllm_command, wait_ready
+from chorus.clients.local import free_port, markdown_table, spawn, vllm_command, wait_ready
 
 DEFAULT = ["moe-mixtral", "graft", "modr", "reasonformer-shared"]
 #: what vLLM needs to serve chorus's plugin families (chorus/engines/families/on_vllm/over_base.py)
@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
             servers = servers_for(name, path, args, tmp)
             try:
                 for srv in servers:
-                    srv.proc = subprocess.Popen(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT,
+                    srv.proc = spawn(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT,
                                                 env=env)
                 for srv in servers:
                     try:

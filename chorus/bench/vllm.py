@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from chorus.bench.engine import Result, Server, http_load, settle, stop_servers
-from chorus.clients.local import free_port, markdown_table, vllm_command, wait_ready
+from chorus.clients.local import free_port, markdown_table, spawn, vllm_command, wait_ready
 
 STREAMED = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
@@ -180,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
         servers = servers_for(spec, path, args, Path(d))
         try:
             for srv in servers:
-                srv.proc = subprocess.Popen(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
+                srv.proc = spawn(srv.cmd, stdout=open(srv.log, "w"), stderr=subprocess.STDOUT, env=env)
             for srv in servers:
                 try:
                     wait_ready(srv.url + "/v1/models", srv.proc, timeout=900)

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import httpx
 
 from chorus.clients.bench_gateway import default_tokenizer
-from chorus.clients.local import free_port, markdown_table, stop_all, vllm_command, wait_ready
+from chorus.clients.local import free_port, markdown_table, spawn, stop_all, vllm_command, wait_ready
 
 MODEL = "smol"
 T = TypeVar("T")
@@ -175,7 +175,7 @@ def phase(name: str, ttft: list[float], lines: int = 0, seconds: float | None = 
 def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
+    proc = spawn(
         vllm_command(args.vllm, default_tokenizer(), MODEL, port, "--max-num-seqs", str(args.slots),
                      "--scheduling-policy", "priority"),
         env=env, stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT)

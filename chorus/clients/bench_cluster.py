@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,15 @@ from pathlib import Path
 
 import httpx
 
-from chorus.clients.local import free_port, markdown_table, stop_all, vllm_command, wait_ready
+from chorus.clients.local import (
+    free_port,
+    markdown_table,
+    signal_group,
+    spawn,
+    stop_all,
+    vllm_command,
+    wait_ready,
+)
 
 MODEL = "smol"
 WORDS = ("river stone lantern harbor meadow copper violet thunder orchard glacier quiet ember falcon canyon "
@@ -138,7 +147,7 @@ async def drive(url: str, work: list[list[tuple[str, list[Turn]]]], tokens: int,
                 await ask(http, url, user, messages, tokens, res)
                 done[0] += 1
                 if kill is not None and done[0] == kill[1]:
-                    kill[0].kill()  # a worker dies mid-run (SIGKILL: no goodbye)
+                    signal_group(kill[0], signal.SIGKILL)  # a worker dies mid-run, whole (SIGKILL: no goodbye)
 
     async with httpx.AsyncClient(timeout=600) as http:
         t0 = time.perf_counter()
@@ -190,7 +199,7 @@ def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Pop
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the bytes
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND=str(i % cores), VLLM_LOGGING_LEVEL="WARNING")
         log = open(tmp / f"vllm-{i}.log", "wb")
-        procs.append(subprocess.Popen(
+        procs.append(spawn(
             vllm_command(args.vllm, args.tokenizer, MODEL, port, "--enable-prompt-tokens-details",
                          "--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--max-num-seqs", str(args.batch)),
             env=env, stdout=log, stderr=subprocess.STDOUT))

@@ -1,8 +1,11 @@
 """Local processes for the CLI tools and the tests: a free port on 127.0.0.1, waiting until a server
-answers, vLLM's command line, and the markdown tables the tools print."""
+answers, vLLM's command line, servers started in a process group of their own and stopped with it, and the
+markdown tables the tools print."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -53,12 +56,35 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
 
 
+def spawn(cmd: Sequence[str | Path], **kw: Any) -> subprocess.Popen[bytes]:
+    """A server in a process group of its own (``start_new_session``), so that `signal_group` reaches what it
+    starts: vLLM's API server runs its engine in child processes, which a signal to the server alone would leave
+    running (about 4 GB each) once the server is killed."""
+    return subprocess.Popen([str(c) for c in cmd], start_new_session=True, **kw)
+
+
+def signal_group(p: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    """``sig`` to ``p`` and, where it leads a process group (`spawn`), to every process left in it, the leader
+    gone or not."""
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass  # no group of that id: not spawned in one, or every process of it has exited
+    except PermissionError:
+        p.send_signal(sig)
+    if p.poll() is None:
+        p.send_signal(sig)
+
+
 def stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float = 20) -> None:
-    """SIGTERM every process, then wait for each (killed if it has not exited within ``grace`` seconds)."""
+    """SIGTERM every process (its group, where it leads one), then wait for each: killed with its group if it has
+    not exited within ``grace`` seconds; whatever of its group outlived it is killed too."""
     for p in procs:
-        p.terminate()
+        signal_group(p, signal.SIGTERM)
     for p in procs:
         try:
             p.wait(grace)
         except subprocess.TimeoutExpired:
-            p.kill()
+            signal_group(p, signal.SIGKILL)
+            p.wait(10)
+        signal_group(p, signal.SIGKILL)

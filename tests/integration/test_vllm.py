@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from chorus.clients.local import free_port, vllm_command, wait_ready
+from chorus.clients.local import free_port, signal_group, spawn, stop_all, vllm_command, wait_ready
 from chorus.config import ChorusConfig
 from chorus.engines.remote.replicas import reported_load
 from chorus.server.gateway.auth import hash_key
@@ -48,7 +49,7 @@ class Vllm:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
         self.log = log.open("wb")
-        self.proc = subprocess.Popen(
+        self.proc = spawn(  # its own process group: stopping or killing it takes vLLM's engine processes too
             vllm_command(vllm_python(), model_dir, SERVED, self.port, "--enable-prompt-tokens-details",
                          "--scheduling-policy", "priority"),
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -58,12 +59,7 @@ class Vllm:
         return self
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_all([self.proc], grace=30)
         self.log.close()
 
 
@@ -316,7 +312,7 @@ def test_a_vllm_replica_killed_under_load_costs_no_request(pair: list[Vllm]) -> 
             streams = [pool.submit(stream, i) for i in range(4)]
             assert wait_until(lambda: running(pair[1]) >= 2, timeout=120)  # work on the replica to be killed
             time.sleep(1.0)
-            pair[1].proc.kill()
+            signal_group(pair[1].proc, signal.SIGKILL)  # the replica dies whole: its server and engine
             texts = [f.result(timeout=600) for f in answers]
             streamed = [f.result(timeout=600) for f in streams]
         assert all(texts), texts  # every non-streamed request answered
