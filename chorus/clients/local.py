@@ -68,10 +68,9 @@ def signal_group(p: subprocess.Popen[Any], sig: signal.Signals) -> None:
     gone or not."""
     try:
         os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass  # no group of that id: not spawned in one, or every process of it has exited
-    except PermissionError:
-        p.send_signal(sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass  # no group of that id (not spawned in one, or every process of it has exited), or not ours
     if p.poll() is None:
         p.send_signal(sig)
 

@@ -181,8 +181,9 @@ class Call:
         ``persona=False``: the caller already put the member's system prompt into ``messages``. ``instruction``:
         appended to the client's question (a blank line between; the raw prompt becomes a user message).
         """
-        if instruction:
-            messages = replace_question(messages or self.prompt.as_messages(), f"{self.prompt.question}\n\n{instruction}")
+        if instruction is not None:
+            asked = f"{self.prompt.question}\n\n{instruction}"
+            messages = replace_question(messages or self.prompt.as_messages(), asked)
         own = {k: v for k, v in (("temperature", member.spec.temperature), ("top_p", member.spec.top_p),
                                  ("seed", member.spec.seed)) if v is not None}
         params = replace(self.sampling(member.engine.sampling_defaults), **{**own, **overrides})

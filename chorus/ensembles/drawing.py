@@ -102,7 +102,7 @@ class Drawer:
             new = [s for s in got if s is not None]
             self.samples[m.label].extend(new)
             return new
-        gen = await self.call.generate(m, instruction=self.p.instruction, **over)
+        gen = await self.call.generate(m, instruction=self.p.instruction or None, **over)
         if gen is None:
             return []
         answers = [extract_answer(c.text, self.kind, self.pattern) for c in gen.choices]
@@ -124,7 +124,7 @@ class Drawer:
         text: list[str] = []
         logprobs: list[Any] = []
         tokens, finish, stopped = 0, "stop", False
-        stream = self.call.stream(m, instruction=self.p.instruction, **over)
+        stream = self.call.stream(m, instruction=self.p.instruction or None, **over)
         try:
             async for d in stream:
                 text.append(d.text)

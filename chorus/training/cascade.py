@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from chorus.ensembles.answers.votes import Unfinished, agreement, from_answers, tally
-from chorus.ensembles.fitted.artifact import selectors_dir
+from chorus.ensembles.fitted.artifact import artifact_out
 from chorus.ensembles.fitted.cascade import CascadeThresholds
 
 
@@ -128,8 +128,7 @@ def main(args: argparse.Namespace) -> int:
     last_alone = simulate(member_stats(rows, unfinished=args.unfinished), never)[0]
     target = args.target if args.target is not None else last_alone * args.keep
     fit = fit_thresholds(rows, target, unfinished=args.unfinished)
-    out = Path(args.out) if "/" in args.out else selectors_dir() / args.out
-    path = write_artifact(out, args.member, fit, answer="number", samples=args.samples,
+    path = write_artifact(artifact_out(args.out), args.member, fit, answer="number", samples=args.samples,
                           source=f"{args.cache} ({args.split}, {len(rows)} items)", target=target,
                           unfinished=args.unfinished)
     print(f"{path}: thresholds {fit.thresholds}; train n={fit.n}: accuracy {fit.accuracy:.3f} (target "

@@ -140,7 +140,7 @@ def request_samples(it: CachedItem, models: Sequence[str], k: int, greedy: bool)
 
 
 def main(args: argparse.Namespace) -> int:
-    from chorus.ensembles.fitted.artifact import selectors_dir
+    from chorus.ensembles.fitted.artifact import artifact_out
 
     root = Path(args.cache)
     items = cached_items(root, args.split, args.model, args.budget, args.k)
@@ -163,8 +163,7 @@ def main(args: argparse.Namespace) -> int:
             h.update(path.read_bytes() if path.is_file() else b"")
     v = fit_verifier(groups, models, right, list(args.model), confidence=args.confidence, window=args.window,
                      tail=args.tail, data_hash=h.hexdigest())
-    out = Path(args.out) if "/" in args.out else selectors_dir() / args.out
-    path = v.save(out)
+    path = v.save(artifact_out(args.out))
     cv = v.training["cv"]
     print(f"chorus train verifier: {len(groups)} items, {v.training['samples']} samples; cross-validated pick "
           f"{100 * cv['pick_acc']:.1f}% against majority {100 * cv['majority_acc']:.1f}% ({100 * cv['gain']:+.1f}, "

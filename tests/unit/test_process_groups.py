@@ -16,7 +16,8 @@ from chorus.clients.local import signal_group, spawn, stop_all
 #: a "server" whose child ignores SIGTERM (as an engine process busy in a forward may) and writes its pid
 SERVER = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", deaf])
 open(sys.argv[1], "w").write(str(child.pid))
 time.sleep(600)
 """

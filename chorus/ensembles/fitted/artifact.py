@@ -87,6 +87,12 @@ def artifact_path(name: str, param: str = "ensemble.artifact") -> Path:
     return path
 
 
+def artifact_out(given: str) -> Path:
+    """Where a `chorus train ...` command writes its artifact: ``given`` as a name in `selectors_dir` (what a
+    request then names), or a folder path (one with a ``/``)."""
+    return Path(given) if "/" in given else selectors_dir() / given
+
+
 def write_artifact(path: Path, body: dict[str, Any]) -> Path:
     """An artifact as JSON, written atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ def load_examples(name: str) -> dict[str, list[str]]:
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        raise InvalidRequest(f"No examples_file {name!r} in {selectors_dir()}.", param="ensemble.examples_file") from None
+        raise InvalidRequest(f"No examples_file {name!r} in {selectors_dir()}.",
+                             param="ensemble.examples_file") from None
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:

@@ -9,8 +9,8 @@ Confidence of an answer:
   sample (whole text).
 The last member's answer is always accepted. ``threshold`` is one number or one per step (members
 minus one), or comes from ``artifact``: by name, what `chorus train cascade` wrote in ``$CHORUS_HOME/selectors``
-(thresholds fitted on a train split for a target accuracy), whose members must be this ensemble's, in order. The accepted answer streams once
-accepted; the trace lists every step's confidence and why it escalated or stopped.
+(thresholds fitted on a train split for a target accuracy), whose members must be this ensemble's, in order. The
+accepted answer streams once accepted; the trace lists every step's confidence and why it escalated or stopped.
 """
 
 from __future__ import annotations

@@ -141,9 +141,8 @@ class ExchangeOfThought(Strategy):
         call.trace.update({"topology": self.params.topology if self.params.visibility is None else "custom",
                            "visibility": [[int(x) for x in row] for row in self.sees],
                            "answer_type": kind, "answer_rule": rule, "rounds": rounds})
-        first = replace_question(base, f"{question}\n\n{self.instruction(kind)}")
         with spans.step("eot.round", call.scope, chorus__round=0):
-            gens = await gather(*(call.generate(m, first) for m in self.members))
+            gens = await gather(*(call.generate(m, instruction=self.instruction(kind)) for m in self.members))
         active: list[Member] = []
         text: dict[int, str] = {}
         finish: dict[int, str] = {}

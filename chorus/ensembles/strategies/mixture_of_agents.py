@@ -181,7 +181,8 @@ class MixtureOfAgents(Strategy):
         judge["order"] = [alive[i][0].label for i in order]  # answer k in the judge's prompt is order[k-1]
         shown = [answers[i] for i in order]
         after = ""
-        span = spans.started("moa.judge", call.scope, chorus__member=self.aggregator.label, chorus__proposals=len(shown))
+        span = spans.started("moa.judge", call.scope, chorus__member=self.aggregator.label,
+                             chorus__proposals=len(shown))
         try:  # the judge's calls (its rationale, its answer) are the span's children
             if self.params.rationale:
                 with spans.within(span):
