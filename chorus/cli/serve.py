@@ -149,6 +149,9 @@ def serve(args: argparse.Namespace) -> int:
     from chorus.server.app import create_app
     from chorus.server.gateway.services import services_of
 
+    from .allocator import tune
+
+    allocator = tune()  # before any thread allocates: the arenas are capped for threads started from here on
     config = config_of(args)
     if args.model:
         config = models_named(config, args.model)
@@ -178,6 +181,9 @@ def serve(args: argparse.Namespace) -> int:
         except GatewayError as exc:
             sys.exit(f"chorus: cannot prepare {spec.name}: {exc.message}")
     configure_logging(config.server.log.json_format, args.log_level or config.server.log.level)
+    if allocator:
+        logging.getLogger("chorus.server").info(
+            "glibc allocator: %s", ", ".join(f"{k.strip('_')}={v}" for k, v in allocator.items()))
     if all(engine_kind(m.engine).light for m in config.models):  # no torch forward in this process
         # llama.cpp's threads own the cores; torch only mixes and samples 1-D rows here, and a torch team
         # spinning after each op slowed them (measured: two-member logit_average 35 -> 45-52 tok/s)

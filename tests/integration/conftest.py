@@ -11,7 +11,11 @@ import torch
 from chorus.config import ChorusConfig, load_config
 from chorus.engines.core.registry import prepare_model
 from chorus.engines.transformers.engine import TransformersEngine
-from tests.helpers import SMOL, LiveServer, gateway
+from tests.helpers import GEMMA, SMOL, LiveServer, gateway
+
+# served in bfloat16 by default (memory); the tests compare them with float32 references (a transformers forward,
+# the dense SmolLM2 token for token, Gemma's sliding window), so they load them in float32 here
+FLOAT32 = (GEMMA, "smollm2-moe")
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +23,9 @@ def default_config() -> ChorusConfig:
     torch.set_num_threads(2)
     config = load_config(None)
     config.models = [m for m in config.models if not m.optional]  # the opt-in Qwen models: tests that need them ask
+    for spec in config.models:
+        if spec.name in FLOAT32:
+            spec.dtype = "float32"
     for spec in config.models:
         prepare_model(spec, models={m.name: m for m in config.models})  # idempotent: `make test` prepared them
     return config
