@@ -30,3 +30,7 @@ def test_every_setting_applied_by_default() -> None:
 
 def test_an_operators_variable_wins() -> None:
     assert tuned(MALLOC_ARENA_MAX="4") == {"MALLOC_MMAP_THRESHOLD_": 262144, "MALLOC_TRIM_THRESHOLD_": 16777216}
+
+
+def test_chorus_allocator_default_leaves_glibc_as_it_is() -> None:
+    assert tuned(CHORUS_ALLOCATOR="default") == {}
