@@ -18,7 +18,7 @@ PROBE = "import json; from chorus.cli.allocator import tune; print(json.dumps(tu
 
 
 def tuned(**env: str) -> dict[str, int]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "CHORUS_ALLOCATOR"}
     out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout)
