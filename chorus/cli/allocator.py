@@ -12,8 +12,9 @@ setting alone); ``CHORUS_ALLOCATOR=default`` leaves all three as glibc has them.
 is done.
 
 The price, measured (Qwen2.5-Coder-0.5B in bfloat16 on the transformers engine, 3 waves of 8 greedy 64-token
-generations, 4 interleaved pairs of processes): 73.8 tok/s with these settings against 78.8 without (the settings
-behind in every pair), and capping the arenas alone (``MALLOC_ARENA_MAX=2``) was no faster in two more pairs. The
+generations, 6 interleaved pairs of processes): 74.1 tok/s with these settings against 76.7 without (mean; behind
+in 5 pairs, ahead in 1; single runs spread from 70 to 82 either way), and neither capping the arenas alone
+(``MALLOC_ARENA_MAX=2``) nor a 32 MiB mmap threshold was faster in two runs each. The
 memory they save is what lets the default line-up stay within 8 GB on a small machine; on a node with memory to
 spare, ``CHORUS_ALLOCATOR=default`` buys the speed back."""
 
