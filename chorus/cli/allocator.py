@@ -21,7 +21,6 @@ spare, ``CHORUS_ALLOCATOR=default`` buys the speed back."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
@@ -33,11 +32,9 @@ SETTINGS = (  # (mallopt parameter, the environment variable that sets it, choru
 
 
 def glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
+    """The C library this process runs on (its own symbols, as mapped_pages reads madvise), if it is glibc."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
